@@ -1,0 +1,263 @@
+"""The on-disk format of a prepared dataset: token shards plus manifest.json. Defined here only.
+
+Shard file (`train_000000.bin`, `val_000000.bin`, ...), little-endian, HEADER_BYTES = 32:
+
+    offset  size  field
+    0       8     magic  b"LMFSHARD"
+    8       4     uint32 format version (FORMAT_VERSION)
+    12      4     uint32 bytes per token: 2 (uint16) or 4 (uint32)
+    16      8     uint64 number of tokens
+    24      8     uint64 vocabulary size (n_vocab of the encoding, special tokens included)
+    32      ...   the tokens, `count * itemsize` bytes, nothing after them
+
+so `np.memmap(path, dtype, mode="r", offset=32, shape=(count,))` reads a shard. Tokens are uint16
+when the vocabulary has at most 65536 ids, else uint32.
+
+Document layout (the statement the loader relies on): every document is stored as
+`[EOT, t_1, ..., t_n]` -- one end-of-text token *before* it -- and lies wholly inside one shard,
+so every shard starts with EOT, and splitting a shard at its EOT positions gives back exactly its
+documents, in input order. `t_i` equal tiktoken's `encode_ordinary(document)`.
+
+manifest.json, written last (its presence means the dataset is complete):
+`{"version", "vocab_size", "eot_id", "dtype", "tokenizer": {kind, name, vocab_size, eot_id,
+sha256, pattern}, "source", "args", "stats", "shards": [{file, split, tokens, documents,
+sha256}], "totals": {split: {"tokens", "documents", "shards"}}}` where a shard's sha256 is over
+the whole file, header included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep.errors import DataError
+
+FORMAT_VERSION = 1
+MAGIC = b"LMFSHARD"
+_HEADER = struct.Struct("<8sIIQQ")
+HEADER_BYTES = _HEADER.size  # 32
+MANIFEST_NAME = "manifest.json"
+SPLITS = ("train", "val")
+_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+class ShardError(DataError):
+    """A shard or manifest on disk is damaged or does not match its manifest."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """The smallest token dtype that holds every id of a vocabulary of `vocab_size`."""
+    if vocab_size <= 2**16:
+        return _DTYPES[2]
+    if vocab_size <= 2**32:
+        return _DTYPES[4]
+    raise DataError(f"vocabulary of {vocab_size} tokens does not fit uint32; use a smaller tokenizer")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
+
+
+def _fix_hint(path: Path) -> str:
+    return (f"delete {path.name} (and manifest.json) in {path.parent} and re-run `lmforge prepare` "
+            "with the same arguments to rebuild it")
+
+
+def atomic_write_bytes(path: Path, chunks, sha=None) -> None:
+    """Write `chunks` (bytes-likes) to `path` via a temp name + rename, so a crash never leaves a
+    half-written file under the final name. Feeds each chunk to `sha` if given."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            if sha is not None:
+                sha.update(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(path: Path | str, tokens: np.ndarray | list[np.ndarray], vocab_size: int,
+                dtype: np.dtype | None = None) -> str:
+    """Write one shard atomically; returns the sha256 (hex) of the whole file.
+
+    `tokens` may be one array or a list of arrays (written back to back, never concatenated, so
+    a shard costs no second copy in memory). `dtype` defaults to `dtype_for_vocab(vocab_size)`.
+    """
+    parts = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
+    dtype = np.dtype(dtype or dtype_for_vocab(vocab_size)).newbyteorder("<")
+    if vocab_size > np.iinfo(dtype).max + 1:
+        raise DataError(f"vocabulary of {vocab_size} tokens does not fit {dtype.name}; "
+                        "use uint32 (drop --dtype) or a smaller vocabulary")
+    count = sum(len(p) for p in parts)
+    for p in parts:
+        if len(p) and int(p.max()) >= vocab_size:
+            raise DataError(f"token id {int(p.max())} >= vocab size {vocab_size} writing {path}; "
+                            "the tokenizer and vocab size disagree")
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, dtype.itemsize, count, vocab_size)
+    sha = hashlib.sha256()
+    atomic_write_bytes(Path(path), [header, *(np.ascontiguousarray(p, dtype=dtype).data
+                                              for p in parts)], sha)
+    return sha.hexdigest()
+
+
+def read_header(path: Path | str) -> tuple[int, np.dtype, int, int]:
+    """(version, dtype, count, vocab_size) of a shard, after checking magic, version and size."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise ShardError(f"cannot read shard {path}: {e.strerror}; {_fix_hint(path)}") from None
+    if len(raw) < HEADER_BYTES:
+        raise ShardError(f"shard {path} is truncated ({size} bytes, no header); {_fix_hint(path)}")
+    magic, version, itemsize, count, vocab_size = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ShardError(f"{path} is not an lmforge shard (bad magic); {_fix_hint(path)}")
+    if version != FORMAT_VERSION:
+        raise ShardError(f"shard {path} has format version {version}, this lmforge reads "
+                         f"{FORMAT_VERSION}; re-run `lmforge prepare` into a new directory")
+    if itemsize not in _DTYPES:
+        raise ShardError(f"shard {path} has bad token size {itemsize}; {_fix_hint(path)}")
+    if size != HEADER_BYTES + count * itemsize:
+        raise ShardError(f"shard {path} is {size} bytes, header says "
+                         f"{HEADER_BYTES + count * itemsize}; {_fix_hint(path)}")
+    return version, _DTYPES[itemsize], count, vocab_size
+
+
+def open_shard(path: Path | str) -> np.ndarray:
+    """The tokens of a shard as a read-only np.memmap (header and file size validated)."""
+    _, dtype, count, _ = read_header(path)
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def file_sha256(path: Path | str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+@dataclass
+class ShardInfo:
+    file: str  # name relative to the dataset directory
+    split: str  # "train" or "val"
+    tokens: int
+    documents: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    version: int
+    vocab_size: int  # n_vocab of the encoding, special tokens included
+    eot_id: int
+    tokenizer: dict[str, Any]  # kind, name, vocab_size, eot_id, sha256, pattern
+    source: str
+    args: dict[str, Any]
+    shards: list[ShardInfo]
+    stats: dict[str, Any] = field(default_factory=dict)
+    dtype: str = ""  # "uint16" / "uint32"; filled from vocab_size when empty
+    data_dir: Path = field(default=Path("."), compare=False)  # not stored; set by load_manifest
+
+    def __post_init__(self) -> None:
+        self.dtype = self.dtype or dtype_for_vocab(self.vocab_size).name.replace("<", "")
+
+    def shard_paths(self, split: str) -> list[Path]:
+        """Paths of the shards of `split`, in order."""
+        return [self.data_dir / s.file for s in self.shards if s.split == split]
+
+    def num_tokens(self, split: str) -> int:
+        return sum(s.tokens for s in self.shards if s.split == split)
+
+    def num_documents(self, split: str) -> int:
+        return sum(s.documents for s in self.shards if s.split == split)
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        return {sp: {"tokens": self.num_tokens(sp), "documents": self.num_documents(sp),
+                     "shards": len(self.shard_paths(sp))} for sp in SPLITS}
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        del d["data_dir"]
+        d["totals"] = self.totals()
+        return d
+
+    def save(self, data_dir: Path | str) -> None:
+        text = json.dumps(self.to_json(), indent=2) + "\n"
+        atomic_write_bytes(Path(data_dir) / MANIFEST_NAME, [text.encode()])
+
+
+def manifest_from_json(d: dict[str, Any], where: Path) -> Manifest:
+    """Build a Manifest from its JSON dict, checking version and fields (ShardError if bad)."""
+    fix = f"re-run `lmforge prepare` into {where.parent}"
+    if d.get("version") != FORMAT_VERSION:
+        raise ShardError(f"{where} has format version {d.get('version')!r}, this lmforge reads "
+                         f"{FORMAT_VERSION}; {fix}")
+    names = {f.name for f in dataclasses.fields(Manifest)} - {"data_dir"}
+    required = names - {"stats", "dtype"}
+    if missing := sorted(required - d.keys()):
+        raise ShardError(f"{where} lacks fields {missing}; {fix}")
+    try:
+        kwargs = {k: d[k] for k in names if k in d}
+        kwargs["shards"] = [ShardInfo(**s) for s in d["shards"]]
+        m = Manifest(**kwargs)
+    except (TypeError, DataError) as e:
+        raise ShardError(f"{where} is malformed ({e}); {fix}") from None
+    if bad := [s.file for s in m.shards if s.split not in SPLITS]:
+        raise ShardError(f"{where} lists shards of unknown split: {bad}; {fix}")
+    return m
+
+
+def load_manifest(data_dir: Path | str) -> Manifest:
+    """Read and validate DIR/manifest.json. Missing → DataError telling the user to prepare."""
+    data_dir = Path(data_dir)
+    path = data_dir / MANIFEST_NAME
+    if not path.is_file():
+        what = "does not exist" if not data_dir.exists() else "has no manifest.json (not prepared, or unfinished)"
+        raise DataError(f"dataset directory {data_dir} {what}; run `lmforge prepare --out "
+                        f"{data_dir} ...` first")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ShardError(f"cannot parse {path} ({e}); re-run `lmforge prepare`") from None
+    m = manifest_from_json(d, path)
+    m.data_dir = data_dir
+    return m
+
+
+def check_shard(path: Path, info: ShardInfo, vocab_size: int, checksum: bool = True) -> None:
+    """Raise ShardError if the shard at `path` does not match its manifest entry."""
+    _, _, count, vocab = read_header(path)
+    if count != info.tokens or vocab != vocab_size:
+        raise ShardError(f"shard {path} holds {count} tokens / vocab {vocab}, manifest says "
+                         f"{info.tokens} / {vocab_size}; {_fix_hint(path)}")
+    if checksum and file_sha256(path) != info.sha256:
+        raise ShardError(f"shard {path} fails its sha256 checksum (corrupted); {_fix_hint(path)}")
+
+
+def verify(data_dir: Path | str) -> None:
+    """Check every shard's header, size and sha256 against the manifest; one ShardError that
+    lists every problem found."""
+    m = load_manifest(data_dir)
+    problems = []
+    for info in m.shards:
+        try:
+            check_shard(m.data_dir / info.file, info, m.vocab_size)
+        except ShardError as e:
+            problems.append(str(e))
+    if problems:
+        raise ShardError(f"{len(problems)} bad shard(s) in {m.data_dir}: " + " | ".join(problems))

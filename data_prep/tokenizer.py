@@ -1,0 +1,214 @@
+"""Tokenizers: everything encodes through tiktoken.
+
+Specs accepted by `load_tokenizer`:
+- a tiktoken name: `gpt2`, `r50k_base`, `cl100k_base`, `o200k_base` (tiktoken downloads/caches);
+- a path to a `.tiktoken` file (mergeable ranks, tiktoken's base64 format). The split pattern and
+  special tokens are inferred for the known OpenAI vocabulary sizes; otherwise the GPT-4
+  (cl100k) pattern with `<|endoftext|>` = len(ranks). A sidecar `FILE.tiktoken.json` with any of
+  `name`, `pattern`, `special_tokens` overrides the inference;
+- a tokenizer directory written by `save_tokenizer_dir` (what prepare leaves in OUT/tokenizer/).
+`bpe:N` (train a vocabulary of N ids on the corpus) is handled by `train_bpe`, called by prepare.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+from data_prep.errors import DataError
+
+EOT = "<|endoftext|>"
+NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
+VOCAB_FILE = "vocab.tiktoken"
+META_FILE = "tokenizer.json"
+
+# Split patterns of tiktoken_ext.openai_public, copied because the module only exposes them
+# inside functions that download the vocabulary.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+# Number of mergeable ranks -> (name, pattern, special tokens) of the OpenAI vocabularies.
+KNOWN_VOCABS: dict[int, tuple[str, str, dict[str, int]]] = {
+    50256: ("gpt2", GPT2_PATTERN, {EOT: 50256}),
+    100256: ("cl100k_base", CL100K_PATTERN, {
+        EOT: 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
+        "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}),
+    199998: ("o200k_base", O200K_PATTERN, {EOT: 199999, "<|endofprompt|>": 200018}),
+}
+
+
+def load_tokenizer(spec: str) -> tiktoken.Encoding:
+    """A tiktoken Encoding from a name, a `.tiktoken` path or a tokenizer directory."""
+    path = Path(spec)
+    if path.is_dir():
+        return load_tokenizer_dir(path)
+    if path.is_file():
+        return _from_tiktoken_file(path)
+    if spec in NAMED:
+        try:
+            return tiktoken.get_encoding(spec)
+        except Exception as e:  # tiktoken raises assorted network errors when offline
+            raise DataError(f"cannot load tiktoken encoding {spec!r} ({type(e).__name__}); "
+                            "give a path to its .tiktoken file instead (no network here?)") from None
+    if spec.startswith("bpe:"):
+        raise DataError(f"tokenizer {spec!r} is trained by `lmforge prepare`; pass the prepared "
+                        "OUT/tokenizer directory to reuse it")
+    raise DataError(f"unknown tokenizer {spec!r}; use one of {', '.join(NAMED)}, a .tiktoken "
+                    "file, a tokenizer directory, or bpe:N")
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    try:
+        ranks = load_tiktoken_bpe(str(path))
+    except (ValueError, OSError) as e:
+        raise DataError(f"{path} is not a .tiktoken vocabulary ({e}); give a tiktoken "
+                        "base64-ranks file") from None
+    if not ranks:
+        raise DataError(f"{path} holds no tokens; give a non-empty .tiktoken file")
+    return ranks
+
+
+def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
+    ranks = _read_ranks(path)
+    name, pattern, special = KNOWN_VOCABS.get(
+        len(ranks), (path.stem, CL100K_PATTERN, {EOT: len(ranks)}))
+    sidecar = path.with_name(path.name + ".json")
+    if sidecar.is_file():
+        try:
+            over = json.loads(sidecar.read_text())
+        except ValueError as e:
+            raise DataError(f"cannot parse {sidecar} ({e}); fix or delete it") from None
+        name = over.get("name", name)
+        pattern = over.get("pattern", pattern)
+        special = over.get("special_tokens", special)
+    return _encoding(name, pattern, ranks, special)
+
+
+def _encoding(name: str, pattern: str, ranks: dict[bytes, int],
+              special: dict[str, int]) -> tiktoken.Encoding:
+    if EOT not in special:
+        raise DataError(f"tokenizer {name!r} has no {EOT} special token; add it to the "
+                        "special_tokens of its sidecar/tokenizer.json")
+    try:
+        return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens=special)
+    except Exception as e:  # tiktoken's Rust core raises on bad patterns or clashing ids
+        raise DataError(f"tokenizer {name!r} is inconsistent ({e}); check its pattern and "
+                        "special token ids") from None
+
+
+def eot_id(enc: tiktoken.Encoding) -> int:
+    """The id of `<|endoftext|>`, the token that separates documents."""
+    try:
+        return enc._special_tokens[EOT]  # tiktoken's only accessor, `eot_token`, is the same
+    except KeyError:
+        raise DataError(f"tokenizer {enc.name!r} has no {EOT} token; use one that does") from None
+
+
+def mergeable_ranks(enc: tiktoken.Encoding) -> dict[bytes, int]:
+    """The byte-level ranks of `enc` (every id that is not a special token and not a gap)."""
+    special = set(enc._special_tokens.values())
+    ranks = {}
+    for i in range(enc.n_vocab):
+        if i in special:
+            continue
+        try:
+            ranks[enc.decode_single_token_bytes(i)] = i
+        except KeyError:  # cl100k has unused ids between its ranks and special tokens
+            pass
+    return ranks
+
+
+def token_byte_lengths(enc: tiktoken.Encoding) -> np.ndarray:
+    """int32[n_vocab]: UTF-8 bytes of each token, 0 for special tokens and unused ids.
+    Bits-per-byte = sum(loss) / ln 2 / sum(lengths[targets])."""
+    out = np.zeros(enc.n_vocab, dtype=np.int32)
+    for token, i in mergeable_ranks(enc).items():
+        out[i] = len(token)
+    return out
+
+
+def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
+                       name: str) -> dict:
+    """Write DIR/vocab.tiktoken and DIR/tokenizer.json; returns the tokenizer.json dict.
+    `kind` says where it came from: "tiktoken" (a name), "file" (a .tiktoken path) or "bpe"."""
+    from data_prep.shards import atomic_write_bytes, file_sha256
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # tiktoken's own dump_tiktoken_bpe needs blobfile; the format is one "base64 rank" per line.
+    ranks = sorted(mergeable_ranks(enc).items(), key=lambda kv: kv[1])
+    lines = (f"{base64.b64encode(tok).decode()} {rank}\n".encode() for tok, rank in ranks)
+    atomic_write_bytes(directory / VOCAB_FILE, [b"".join(lines)])
+    meta = {
+        "name": name, "kind": kind, "pattern": enc._pat_str,
+        "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc),
+        "n_vocab": enc.n_vocab, "vocab_size": enc.n_vocab,
+        "sha256": file_sha256(directory / VOCAB_FILE),
+    }
+    atomic_write_bytes(directory / META_FILE, [(json.dumps(meta, indent=2) + "\n").encode()])
+    return meta
+
+
+def read_tokenizer_meta(directory: Path | str) -> dict:
+    """tokenizer.json of a tokenizer directory, with vocab.tiktoken's sha256 checked."""
+    from data_prep.shards import file_sha256
+
+    directory = Path(directory)
+    meta_path, vocab_path = directory / META_FILE, directory / VOCAB_FILE
+    if not meta_path.is_file() or not vocab_path.is_file():
+        raise DataError(f"{directory} is not a tokenizer directory (needs {META_FILE} and "
+                        f"{VOCAB_FILE}); point at OUT/tokenizer of a prepared dataset")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as e:
+        raise DataError(f"cannot parse {meta_path} ({e}); re-run `lmforge prepare`") from None
+    if file_sha256(vocab_path) != meta.get("sha256"):
+        raise DataError(f"{vocab_path} does not match the sha256 in {META_FILE} (modified or "
+                        "corrupted); copy the tokenizer directory again from the dataset")
+    return meta
+
+
+def load_tokenizer_dir(directory: Path | str) -> tiktoken.Encoding:
+    """The Encoding saved by `save_tokenizer_dir` (vocabulary sha256 validated)."""
+    directory = Path(directory)
+    meta = read_tokenizer_meta(directory)
+    enc = _encoding(meta["name"], meta["pattern"], _read_ranks(directory / VOCAB_FILE),
+                    meta["special_tokens"])
+    if enc.n_vocab != meta["n_vocab"]:
+        raise DataError(f"{directory}: n_vocab {enc.n_vocab} != {meta['n_vocab']} in {META_FILE}; "
+                        "copy the tokenizer directory again from the dataset")
+    return enc
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, name: str) -> tiktoken.Encoding:
+    """Train a byte-level BPE with `vocab_size` ids in all: vocab_size - 1 mergeable ranks (256
+    bytes + merges, GPT-4 split pattern) then `<|endoftext|>` = vocab_size - 1.
+
+    rustbpe (nanochat's trainer) rather than HF tokenizers: it exports tiktoken mergeable ranks
+    directly, so the tiktoken encoding reproduces training exactly, and it trains faster on the
+    same sample (bench/prepare_bench.py --bpe measures both).
+    """
+    import rustbpe
+
+    if not 257 < vocab_size <= 2**20:
+        raise DataError(f"bpe:{vocab_size} is out of range; use bpe:N with 258 <= N <= {2**20}")
+    tok = rustbpe.Tokenizer()
+    tok.train_from_iterator(iter(texts), vocab_size - 1, pattern=CL100K_PATTERN)
+    ranks = {bytes(b): r for b, r in tok.get_mergeable_ranks()}
+    return _encoding(name, CL100K_PATTERN, ranks, {EOT: len(ranks)})

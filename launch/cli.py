@@ -1,0 +1,78 @@
+"""`lmforge` — one command, one subcommand per thing a user does.
+
+    lmforge prepare  corpus -> tokenized shards        (data_prep)
+    lmforge inspect  summary + decoded sample of shards (data_prep)
+    lmforge train    train a model, torchrun on request (pipeline)
+    lmforge eval     perplexity / bits-per-byte         (launch.evaluate)
+    lmforge sample   generate text from a checkpoint    (launch.sample)
+    lmforge export   Hugging Face Llama format          (launch.export)
+    lmforge demo     the whole pipeline, offline        (launch.demo)
+
+Each subcommand lives in its own module with a `main(argv) -> int`; importing them lazily keeps
+`lmforge --help` instant. User mistakes raise one of USER_ERRORS and become one `error:` line
+and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "prepare": ("data_prep.cli", "main", "tokenize a corpus into shards"),
+    "inspect": ("data_prep.cli", "inspect_main", "summarise shards and decode a sample"),
+    "train": ("pipeline.train", "cli_main", "train (use --nproc N to start torchrun)"),
+    "eval": ("launch.evaluate", "main", "loss, perplexity and bits per byte of a checkpoint"),
+    "sample": ("launch.sample", "main", "generate text from a checkpoint"),
+    "export": ("launch.export", "main", "export a checkpoint to the Hugging Face Llama format"),
+    "demo": ("launch.demo", "main", "prepare -> train -> eval -> sample on the built-in corpus"),
+}
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that mean 'the user asked for something wrong', not 'a bug'."""
+    from data_prep.errors import DataError
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.config import ConfigError
+
+    return (DataError, CheckpointError, ConfigError)
+
+
+def _usage() -> str:
+    lines = ["usage: lmforge <command> [options]   (lmforge <command> --help for its options)", ""]
+    lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def run_user_command(fn, argv: list[str]) -> int:
+    """Call a subcommand's main, turning user errors into one line on stderr and exit code 2."""
+    errors = user_errors()
+    try:
+        return int(fn(argv) or 0)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+        hint = f" — did you mean '{close[0]}'?" if close else ""
+        print(f"error: unknown command '{name}'{hint} (see lmforge --help)", file=sys.stderr)
+        return 2
+    module, func, _ = SUBCOMMANDS[name]
+    return run_user_command(getattr(importlib.import_module(module), func), rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up .venv if missing and runs the quickstart: prepare -> train -> eval -> sample on the
+# built-in corpus, offline. Extra arguments go to `lmforge demo`.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+export WANDB_MODE="${WANDB_MODE:-disabled}"
+exec lmforge demo "$@"

@@ -1,0 +1,26 @@
+# Sourced by launch/demo.sh and launch/test.sh: creates ./.venv on first use, then activates it.
+# torch is installed first and pinned so that pip resolves the rest against it instead of
+# pulling a newer (multi-GB CUDA) build; set LMFORGE_TORCH to choose another, e.g.
+#   LMFORGE_TORCH="torch --index-url https://download.pytorch.org/whl/cu128" bash launch/demo.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${LMFORGE_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+EXTRAS="${1:-}"
+stamp="$VENV/.lmforge-installed${EXTRAS:+-$EXTRAS}"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[lmforge] creating virtual environment in $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+    echo "[lmforge] installing dependencies (once)" >&2
+    if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+        # shellcheck disable=SC2086
+        "$VENV/bin/pip" install -q ${LMFORGE_TORCH:-torch==2.13.0}
+    fi
+    "$VENV/bin/pip" install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    touch "$stamp"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+cd "$ROOT"

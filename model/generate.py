@@ -1,0 +1,201 @@
+"""Autoregressive generation over a preallocated KV cache.
+
+Batched prompts of different lengths are LEFT-padded: every row then writes its keys/values at
+the same cache index each step (one static layout for the whole batch), while each row's RoPE
+positions are shifted by its padding so its first real token sits at position 0, exactly as if it
+ran alone. Padding keys are masked out of attention.
+
+Dimension key as in model/model.py (L layers, B batch, G kv heads, S cache length, K head dim).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from model.model import GPT, ModelConfig
+
+
+class KVCache:
+    """Keys and values of every layer for n_kv_head heads, allocated once: (L, B, G, S, K) each.
+
+    With GQA (G = H/4) this is a quarter of the memory an MHA model of the same width needs."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        pad_B: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        S = cfg.max_seq_len if max_len is None else max_len
+        if S > cfg.max_seq_len:
+            raise ValueError(f"KV cache length {S} exceeds model.max_seq_len={cfg.max_seq_len}")
+        shape = (cfg.n_layer, batch_size, cfg.n_kv_head, S, cfg.head_dim)
+        self.k_LBGSK = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_LBGSK = torch.zeros(shape, device=device, dtype=dtype)
+        # pad_B[b] = number of left-padding slots of row b (its real tokens start there).
+        self.pad_B = torch.zeros(batch_size, dtype=torch.long, device=device) if pad_B is None else pad_B
+        self.padded = bool(self.pad_B.any())
+        self.pos = 0  # slots filled so far (same for every row)
+        self.attn_mask: torch.Tensor | None = None
+        self.is_causal = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_LBGSK.nbytes + self.v_LBGSK.nbytes
+
+    def begin(self, T: int) -> torch.Tensor:
+        """Prepare a forward over the next T slots: sets the attention mask shared by all layers
+        and returns the RoPE positions pos_BT."""
+        start, end = self.pos, self.pos + T
+        if end > self.k_LBGSK.shape[3]:
+            raise ValueError(f"KV cache full: {end} positions needed, {self.k_LBGSK.shape[3]} allocated")
+        device = self.pad_B.device
+        q_T = torch.arange(start, end, device=device)
+        if not self.padded and (T == 1 or start == 0):
+            # One new token attends to everything cached; a fresh prefill is plain causal.
+            self.attn_mask, self.is_causal = None, T > 1
+        else:
+            k_S = torch.arange(end, device=device)
+            causal_TS = k_S[None, :] <= q_T[:, None]
+            real_BS = k_S[None, :] >= self.pad_B[:, None]
+            # A padding query sees only itself, so no row of the mask is empty (that gives NaN).
+            self_TS = k_S[None, :] == q_T[:, None]
+            self.attn_mask = (causal_TS & (real_BS[:, None, :] | True))[:, None]  # (B, 1, T, S)
+            self.is_causal = False
+        return (q_T[None, :] - self.pad_B[:, None]).clamp(min=0)
+
+    def update(self, layer: int, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor):
+        """Write this chunk's keys/values and return views of the filled part, (B, G, S, K)."""
+        end = self.pos + k_BGTK.shape[2]
+        self.k_LBGSK[layer, :, :, self.pos : end] = k_BGTK
+        self.v_LBGSK[layer, :, :, self.pos : end] = v_BGTK
+        return self.k_LBGSK[layer, :, :, :end], self.v_LBGSK[layer, :, :, :end]
+
+    def advance(self, T: int) -> None:
+        self.pos += T
+
+
+def sample(
+    logits_BV: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row: greedy when temperature == 0, else softmax(logits / temperature)
+    restricted to the top_k tokens and/or the smallest set whose probability reaches top_p."""
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    logits_BV = logits_BV.float() / temperature
+    if top_k is not None:
+        kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        drop_BV = probs_BV.cumsum(dim=-1) - probs_BV >= top_p
+        logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+    probs_BV = logits_BV.softmax(dim=-1)
+    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+
+
+def _check_args(cfg: ModelConfig, prompts, max_new_tokens, temperature, top_k, top_p) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if any(t < 0 or t >= cfg.vocab_size for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"max_seq_len {cfg.max_seq_len}; shorten the prompt or ask for fewer tokens"
+        )
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+@torch.inference_mode()
+def stream(
+    model: GPT,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token: int | None = None,
+    use_cache: bool = True,
+) -> Iterator[list[int | None]]:
+    """Yield, per step, each row's new token id, or None once the row has produced stop_token
+    (the stop token itself is not yielded). Stops after max_new_tokens or when all rows stopped."""
+    cfg = model.cfg
+    _check_args(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
+    weight = model.tok_emb.weight
+    device, dtype = weight.device, weight.dtype
+    B, P = len(prompts), max(len(p) for p in prompts)
+    pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
+    idx_BT = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], device=device)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    def new_cache(length: int) -> KVCache:
+        return KVCache(cfg, B, length, pad_B=pad_B, device=device, dtype=dtype)
+
+    cache = new_cache(P + max_new_tokens) if use_cache else None
+    # Without a cache every step recomputes the whole (padded) sequence through a throwaway one.
+    logits_BV = model(idx_BT, kv_cache=cache or new_cache(P))[:, -1]
+    finished = [False] * B
+    for step in range(max_new_tokens):
+        next_B = sample(logits_BV, temperature, top_k, top_p, generator)
+        out: list[int | None] = []
+        for b, tok in enumerate(next_B.tolist()):
+            finished[b] = finished[b] or tok == stop_token
+            out.append(None if finished[b] else tok)
+        yield out
+        if all(finished) or step == max_new_tokens - 1:
+            return
+        if cache is not None:
+            logits_BV = model(next_B[:, None], kv_cache=cache)[:, -1]
+        else:
+            idx_BT = torch.cat((idx_BT, next_B[:, None]), dim=1)
+            logits_BV = model(idx_BT, kv_cache=new_cache(idx_BT.shape[1]))[:, -1]
+
+
+def generate(
+    model: GPT,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token: int | None = None,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """New tokens for each prompt (prompt not included), each cut before its stop token."""
+    rows: list[list[int]] = [[] for _ in prompts]
+    for step in stream(
+        model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, stop_token=stop_token, use_cache=use_cache,
+    ):
+        for row, tok in zip(rows, step):
+            if tok is not None:
+                row.append(tok)
+    return rows

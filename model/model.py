@@ -1,0 +1,314 @@
+"""A Pre-LN decoder-only transformer in the Llama style: RMSNorm, RoPE, grouped-query attention,
+SwiGLU (or GELU) MLP, no biases, token embedding tied to the LM head.
+
+Dimension key, used in tensor names (x_BTD, q_BHTK, logits_BTV):
+    B batch          T time (query positions)     S key positions (KV-cache length)
+    D d_model        H n_head                     G n_kv_head
+    K head_dim       V vocab (padded in the LM head, real in returned logits)
+    F mlp hidden     L n_layer
+
+Parallelism, compilation, checkpoint I/O and logging live outside this file (pipeline/).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB_MULTIPLE = 64  # the LM-head matmul is faster when V is a multiple of 64
+MLP_KINDS = ("swiglu", "gelu")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0
+    """Real vocabulary size; 0 means "not set yet" (the pipeline fills it from the dataset)."""
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4
+    """Key/value heads: n_head = MHA, fewer = GQA, 1 = MQA. Must divide n_head."""
+    d_model: int = 256
+    d_mlp: int | None = None
+    """MLP hidden size; None = 8/3·d_model rounded up to a multiple of 64 (SwiGLU) or 4·d_model (GELU)."""
+    mlp: str = "swiglu"
+    """"swiglu" (Llama, exportable to Hugging Face) or "gelu" (GPT-2 style)."""
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    """Std of every weight matrix; residual-output projections get init_std / sqrt(2·n_layer)."""
+
+    def __post_init__(self) -> None:
+        sizes = ("n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
+        for name in sizes:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.vocab_size < 0:
+            raise ValueError(f"model.vocab_size must be >= 0 (0 = set later), got {self.vocab_size}")
+        if self.d_mlp is not None and self.d_mlp <= 0:
+            raise ValueError(f"model.d_mlp must be positive or None, got {self.d_mlp}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"model.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                "pick sizes where d_model % n_head == 0"
+            )
+        if self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}; "
+                "n_kv_head must divide n_head (n_head for MHA, 1 for MQA)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = d_model / n_head = {self.head_dim} is odd; RoPE rotates pairs, "
+                "so choose d_model and n_head giving an even head_dim"
+            )
+        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
+            raise ValueError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.d_mlp is not None:
+            return self.d_mlp
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return -(-8 * self.d_model // (3 * 64)) * 64  # Llama's 8/3·d, rounded up to 64
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown model config key {key!r}; known keys: {sorted(known)}")
+        return cls(**d)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None):
+    """cos and sin of shape (max_seq_len, K/2), fp32: angle[t, i] = t / theta^(2i/K)."""
+    K = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, K, 2, device=device, dtype=torch.float32) / K)
+    angle_TK = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angle_TK.cos(), angle_TK.sin()
+
+
+def apply_rope(x_BTHK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (x[i], x[i + K/2]) pairs: the half-split layout of Hugging Face Llama's rotate_half,
+    so q/k weights export unpermuted. cos/sin broadcast to (B, T, 1, K/2)."""
+    cos, sin = cos.to(x_BTHK.dtype), sin.to(x_BTHK.dtype)
+    x1, x2 = x_BTHK.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        # One fused GEMM for q, k and v: fewer, larger matmuls are faster than three small ones.
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x_BTD, cos, sin, kv_cache=None):
+        B, T, _ = x_BTD.shape
+        H, G, K = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x_BTD).split((H * K, G * K, G * K), dim=-1)
+        q_BHTK = apply_rope(q.view(B, T, H, K), cos, sin).transpose(1, 2)
+        k_BGTK = apply_rope(k.view(B, T, G, K), cos, sin).transpose(1, 2)
+        v_BGTK = v.view(B, T, G, K).transpose(1, 2)
+        if kv_cache is None:
+            attn_mask, is_causal = None, True
+            k_BGSK, v_BGSK = k_BGTK, v_BGTK
+        else:
+            attn_mask, is_causal = kv_cache.attn_mask, kv_cache.is_causal
+            k_BGSK, v_BGSK = kv_cache.update(self.layer_idx, k_BGTK, v_BGTK)
+        # enable_gqa lets SDPA read the G shared K/V heads directly instead of materialising
+        # H/G copies with repeat_interleave; on CUDA the flash kernel handles it natively, and on
+        # CPU it measured as fast as or faster than repeat (bench/model_bench.py --gqa).
+        y_BHTK = F.scaled_dot_product_attention(
+            q_BHTK, k_BGSK, v_BGSK, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=G != H
+        )
+        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * K))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        F_ = cfg.mlp_hidden
+        # SwiGLU's gate and up projections fused into one GEMM (first half gate, second half up).
+        self.up = nn.Linear(cfg.d_model, 2 * F_ if self.swiglu else F_, bias=False)
+        self.down = nn.Linear(F_, cfg.d_model, bias=False)
+
+    def forward(self, x_BTD):
+        h_BTF = self.up(x_BTD)
+        if self.swiglu:
+            gate_BTF, up_BTF = h_BTF.chunk(2, dim=-1)
+            h_BTF = F.silu(gate_BTF) * up_BTF
+        else:
+            h_BTF = F.gelu(h_BTF)
+        return self.down(h_BTF)
+
+
+class Block(nn.Module):
+    """Pre-LN block; self-contained so the pipeline can FSDP-wrap and checkpoint it alone."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BTD, cos, sin, kv_cache=None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, kv_cache)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+    @torch.no_grad()
+    def init_weights(self, std: float, resid_std: float) -> None:
+        nn.init.normal_(self.attn.qkv.weight, std=std)
+        nn.init.normal_(self.mlp.up.weight, std=std)
+        # Outputs added to the residual stream: scaled by depth so its variance stays ~constant.
+        nn.init.normal_(self.attn.proj.weight, std=resid_std)
+        nn.init.normal_(self.mlp.down.weight, std=resid_std)
+        self.attn_norm.reset_parameters()
+        self.mlp_norm.reset_parameters()
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size is not set (0); set it to the tokenizer's vocabulary size")
+        self.cfg = cfg
+        V, D = cfg.padded_vocab_size, cfg.d_model
+        self.tok_emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm_f = nn.RMSNorm(D, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        # Derived from the config, so not saved (persistent=False); init_weights() fills them.
+        empty = torch.empty(cfg.max_seq_len, cfg.head_dim // 2)
+        self.register_buffer("rope_cos", empty, persistent=False)
+        self.register_buffer("rope_sin", empty.clone(), persistent=False)
+        if self.tok_emb.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and the RoPE tables in place.
+
+        Works after `to_empty(device=...)` of a meta-built model, and on FSDP2-sharded parameters."""
+        cfg = self.cfg
+        if cfg.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
+            self.lm_head.weight = self.tok_emb.weight  # a module.to_empty() may have split the tie
+        nn.init.normal_(self.tok_emb.weight, std=cfg.init_std)
+        if not cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        for block in self.blocks:
+            block.init_weights(cfg.init_std, resid_std)
+        self.norm_f.reset_parameters()
+        cos, sin = rope_tables(cfg, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(
+        self,
+        idx_BT: torch.Tensor,
+        targets_BT: torch.Tensor | None = None,
+        *,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab_size) without targets; with targets only the loss: "mean" over
+        tokens whose target != ignore_index, "sum", or "none" → (B, T).
+
+        kv_cache (model.generate.KVCache) appends this chunk's keys/values and attends over the
+        cache, using its per-row positions and padding mask."""
+        B, T = idx_BT.shape
+        if kv_cache is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            cos, sin = self.rope_cos[:T, None], self.rope_sin[:T, None]  # (T, 1, K/2)
+        else:
+            pos_BT = kv_cache.begin(T)
+            cos, sin = self.rope_cos[pos_BT, None], self.rope_sin[pos_BT, None]  # (B, T, 1, K/2)
+        x_BTD = self.tok_emb(idx_BT)
+        for block in self.blocks:
+            x_BTD = block(x_BTD, cos, sin, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        logits_BTV = self.lm_head(self.norm_f(x_BTD))  # V padded
+        if targets_BT is None:
+            return logits_BTV[..., : self.cfg.vocab_size]
+        return self._loss(logits_BTV, targets_BT, reduction, ignore_index)
+
+    def _loss(self, logits_BTV, targets_BT, reduction, ignore_index):
+        # The padded columns get -inf so softmax gives them no mass and no gradient. Written in
+        # place: the LM-head matmul does not save its output for backward, so this is legal and
+        # avoids both a copy and a slice that would break the 64-aligned matmul.
+        # No .float() here: under bf16 autocast the logits come out bf16 and cross_entropy is on
+        # autocast's fp32 list (CPU and CUDA), so it upcasts a transient copy and saves only its
+        # fp32 log-probs for backward: the single fp32 B×T×V tensor unavoidable without a fused
+        # kernel (tests/test_model.py measures it). Returning only the loss, never the logits,
+        # keeps the bf16 logits from staying alive beside it.
+        logits_BTV[..., self.cfg.vocab_size :] = float("-inf")
+        loss = F.cross_entropy(
+            logits_BTV.flatten(0, 1), targets_BT.flatten(), ignore_index=ignore_index, reduction=reduction
+        )
+        return loss.view(targets_BT.shape) if reduction == "none" else loss
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied matrix counts once). exclude_embeddings drops the vocabulary
+        matrices (token embedding and LM head, tied or not), leaving blocks + final norm."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_emb.weight.numel()
+            if not self.cfg.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at sequence length T = seq_len:
+
+            6·N + 12·L·H·K·T
+
+        N = weights used in a matmul for every token: all block parameters (+ the final norm,
+        negligible) plus the LM head (D × padded V, the matmul actually run). The token embedding
+        is a lookup and costs no FLOPs; when tied, the shared matrix is counted once, as the LM
+        head. 6 = 2 (multiply-add) × 3 (forward + two backward matmuls).
+        Attention: per layer and token, QKᵀ and AV each take 2·H·K·T FLOPs forward, ×3 for
+        forward + backward → 12·L·H·K·T. The full T×T square is counted although causal masking
+        skips half of it, as PaLM and nanoGPT do, so MFU figures stay comparable."""
+        cfg = self.cfg
+        n = self.num_params(exclude_embeddings=True) + self.lm_head.weight.numel()
+        return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+    def summary(self) -> str:
+        cfg = self.cfg
+        mha = {cfg.n_head: "MHA", 1: "MQA"}.get(cfg.n_kv_head, "GQA")
+        return (
+            f"GPT {self.num_params() / 1e6:.2f}M params ({self.num_params(True) / 1e6:.2f}M non-embedding): "
+            f"L={cfg.n_layer} D={cfg.d_model} H={cfg.n_head} G={cfg.n_kv_head} ({mha}) K={cfg.head_dim} "
+            f"{cfg.mlp} F={cfg.mlp_hidden} V={cfg.vocab_size} (padded {cfg.padded_vocab_size}) "
+            f"ctx={cfg.max_seq_len} tied={cfg.tie_embeddings}"
+        )

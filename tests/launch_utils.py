@@ -1,0 +1,114 @@
+"""Start training runs as real processes (python, torchrun, accelerate) under a timeout.
+
+About 1 in 50 torchrun launches hangs at exit on the CI machines: a launch that times out is
+killed with its whole process group and started once more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A 2-layer model on 64-token windows: a step takes milliseconds, so a test runs dozens of them.
+TINY_ARGS = [
+    "--data.seq_len", "64",
+    "--model.n_layer", "2", "--model.d_model", "64", "--model.n_head", "4",
+    "--model.n_kv_head", "2", "--model.max_seq_len", "128",
+    "--train.global_batch_tokens", "512", "--train.micro_batch_size", "4",
+    "--train.dtype", "fp32", "--train.compile", "off",
+    "--optim.warmup_steps", "2", "--optim.lr", "3e-3",
+    "--eval.every", "5", "--eval.tokens", "512", "--eval.batch_size", "4",
+    "--sample.every", "0", "--sample.max_new_tokens", "8",
+    "--log.log_every", "1",
+]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+             PYTHONPATH=str(ROOT) + os.pathsep + e.get("PYTHONPATH", ""))
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun") -> list[str]:
+    py = sys.executable
+    if nproc == 1 and launcher == "torchrun":
+        return [py, "-m", "pipeline.train", *args]
+    if launcher == "torchrun":
+        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                "-m", "pipeline.train", *args]
+    if launcher == "accelerate":
+        return [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--cpu",
+                "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                "-m", "pipeline.train", *args]
+    raise ValueError(launcher)
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run(cmd: list[str], timeout: float = 240, retries: int = 1) -> subprocess.CompletedProcess:
+    for attempt in range(retries + 1):
+        proc = start(cmd)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            out, _ = proc.communicate()
+            if attempt == retries:
+                raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}") from None
+    raise AssertionError("unreachable")
+
+
+def train(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: float = 240):
+    """Run to completion and assert success; returns the CompletedProcess."""
+    res = run(train_cmd(args, nproc, launcher), timeout=timeout)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}"
+    return res
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.is_file() else []
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir)}
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:
+    """Poll metrics.jsonl until `step` is reached; returns the last step seen."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        seen = max(losses(run_dir), default=0)
+        if seen >= step:
+            return seen
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (exit {proc.returncode}) before step {step}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.005)
+    raise AssertionError(f"step {step} not reached in {timeout}s")

@@ -1,0 +1,128 @@
+"""Single-process training: the loop, its hooks, checkpoints and the user-facing errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from pipeline import checkpoint as ckpt
+from pipeline.config import OptimConfig, load_config
+from pipeline.distributed import DistInfo
+from pipeline.optim import lr_at
+from pipeline.train import Trainer, TrainingStopped
+from tests.launch_utils import TINY_ARGS, losses, metrics, run
+
+CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def cfg_for(data, out, *extra):
+    return load_config(None, ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS, *extra])
+
+
+def test_lr_schedules():
+    cos = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, schedule="cosine")
+    assert lr_at(0, 100, cos) == pytest.approx(0.1)
+    assert lr_at(9, 100, cos) == pytest.approx(1.0)
+    assert lr_at(55, 100, cos) == pytest.approx(0.55, abs=1e-9)  # half-way through the decay
+    assert lr_at(100, 100, cos) == pytest.approx(0.1)
+    lrs = [lr_at(s, 100, cos) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    wsd = OptimConfig(lr=1.0, min_lr_ratio=0.0, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(50, 100, wsd) == 1.0 and lr_at(79, 100, wsd) == 1.0
+    assert lr_at(89, 100, wsd) == pytest.approx(0.5) and lr_at(99, 100, wsd) == pytest.approx(0.0)
+
+
+def test_end_to_end_run_writes_everything(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "10", "--sample.every", "5"), CPU).fit()
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 11))
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in recs)
+    assert {"val_loss", "val_ppl", "val_bpb"} <= set(recs[4]) and "val_loss" in recs[-1]
+    assert recs[-1]["val_ppl"] == pytest.approx(math.exp(recs[-1]["val_loss"]))
+    assert len(recs[4]["samples"]) == 2 and recs[4]["samples"][0].startswith("def ")
+    assert (run_dir / "config.toml").is_file() and (run_dir / "loss.png").is_file()
+    assert load_config(str(run_dir / "config.toml"), []).train.max_steps == 10
+    loaded = ckpt.load_for_inference(run_dir)
+    assert loaded.step == 10 and loaded.path.name == "final"
+    from_dcp = ckpt.load_for_inference(run_dir / "checkpoints" / "step_00000010")
+    for (k, a), (_, b) in zip(loaded.model.state_dict().items(), from_dcp.model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_bf16_training_runs_and_learns(tiny_data, tmp_path):
+    Trainer(cfg_for(tiny_data, tmp_path / "r", "--train.dtype", "bf16", "--train.max_steps", "16"), CPU).fit()
+    curve = losses(tmp_path / "r")
+    assert curve[16] < curve[1] - 0.5
+
+
+def test_non_finite_loss_skips_update_then_stops(tiny_data, tmp_path, monkeypatch):
+    trainer = Trainer(cfg_for(tiny_data, tmp_path / "r", "--train.max_bad_steps", "3"), CPU)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    real_forward = trainer.model.forward
+    monkeypatch.setattr(trainer.model, "forward", lambda *a, **k: real_forward(*a, **k) * float("nan"))
+    trainer.train_step()
+    assert trainer.bad_steps == 1
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    with pytest.raises(TrainingStopped, match="consecutive non-finite"):
+        trainer.fit()
+
+
+def test_existing_run_is_never_overwritten(tiny_data, tmp_path):
+    run_dir = tmp_path / "r"
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4"), CPU).fit()
+    before = (run_dir / "metrics.jsonl").read_text()
+    res = run([sys.executable, "-m", "pipeline.train", "--data.path", str(tiny_data),
+               "--log.out_dir", str(run_dir), *TINY_ARGS, "--train.max_steps", "4"], timeout=120)
+    assert res.returncode == 2 and res.stdout.strip().startswith("error: ")
+    assert "--resume auto" in res.stdout and "Traceback" not in res.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_resume_refuses_checkpoint_of_another_model(tiny_data, tmp_path):
+    run_dir = tmp_path / "r"
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "2"), CPU).fit()
+    with pytest.raises(ckpt.CheckpointError, match="another model.*d_model"):
+        Trainer(cfg_for(tiny_data, run_dir, "--model.d_model", "128", "--resume", "auto",
+                        "--train.max_steps", "4"), CPU)
+
+
+def test_incomplete_checkpoint_is_ignored_by_resume_auto(tiny_data, tmp_path):
+    run_dir = tmp_path / "r"
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4", "--checkpoint.every", "2"), CPU).fit()
+    # A crash mid-save leaves a .tmp directory (and a directory without meta.json): neither counts.
+    (run_dir / "checkpoints" / "step_00000006.tmp").mkdir()
+    (run_dir / "checkpoints" / "step_00000008").mkdir()
+    assert [p.name for p in ckpt.list_complete(run_dir / "checkpoints")][-1] == "step_00000004"
+
+
+def test_checkpoint_errors_are_clear(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.load_for_inference(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
+        ckpt.load_for_inference(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "meta.json").write_text(json.dumps({"format": "lmforge-checkpoint", "version": 99, "step": 1}))
+    with pytest.raises(ckpt.CheckpointError, match="version 99"):
+        ckpt.load_for_inference(bad)
+
+
+def test_dry_run_prints_resolved_config(tmp_path):
+    res = run([sys.executable, "-m", "pipeline.train", "--config", "configs/tiny.toml",
+               "--dry-run", "--train.max_steps", "7"], timeout=60)
+    assert res.returncode == 0, res.stdout
+    assert "max_steps = 7" in res.stdout and "accumulation" in res.stdout.lower()
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(tiny_data, tmp_path):
+    Trainer(cfg_for(tiny_data, tmp_path / "eager", "--train.max_steps", "4"), CPU).fit()
+    Trainer(cfg_for(tiny_data, tmp_path / "comp", "--train.max_steps", "4", "--train.compile", "on"), CPU).fit()
+    eager, comp = losses(tmp_path / "eager"), losses(tmp_path / "comp")
+    assert max(abs(eager[s] - comp[s]) for s in eager) < 1e-4
