@@ -252,8 +252,13 @@ def resume_state(out: Path, identity: dict) -> tuple[bool, list[S.ShardInfo]]:
     return False, keep
 
 
+def sort_shards(infos: list[S.ShardInfo]) -> list[S.ShardInfo]:
+    """train shards then val shards, each in index order (not in order of completion)."""
+    return sorted(infos, key=lambda s: (S.SPLITS.index(s.split), s.file))
+
+
 def save_state(out: Path, identity: dict, done: list[S.ShardInfo]) -> None:
-    text = json.dumps({"args": identity, "shards": [asdict(s) for s in done]}, indent=1)
+    text = json.dumps({"args": identity, "shards": [asdict(s) for s in sort_shards(done)]}, indent=1)
     S.atomic_write_bytes(out / STATE_NAME, [text.encode()])
 
 
@@ -261,23 +266,21 @@ def save_state(out: Path, identity: dict, done: list[S.ShardInfo]) -> None:
 # tokenizer
 
 
-def setup_tokenizer(cfg: PrepareConfig, out: Path, threshold: int) -> tuple[tiktoken.Encoding, dict]:
-    """Load, or train (bpe:N), the tokenizer and save it to OUT/tokenizer (reused on resume)."""
+def setup_tokenizer(cfg: PrepareConfig, out: Path, threshold: int) -> tuple[tiktoken.Encoding, str, str]:
+    """(encoding, kind, name): OUT/tokenizer when resuming, else loaded or trained (bpe:N)."""
     tok_dir = out / TOKENIZER_DIR
     if (tok_dir / T.META_FILE).is_file():
-        return T.load_tokenizer_dir(tok_dir), T.read_tokenizer_meta(tok_dir)
+        meta = T.read_tokenizer_meta(tok_dir)
+        return T.load_tokenizer_dir(tok_dir), meta["kind"], meta["name"]
     spec = cfg.tokenizer
     if spec.startswith("bpe:"):
         try:
             n = int(spec[4:])
         except ValueError:
             raise DataError(f"bad tokenizer {spec!r}; write bpe:N, e.g. bpe:4096") from None
-        enc, kind, name = T.train_bpe(bpe_sample(cfg, threshold), n, f"bpe{n}"), "bpe", f"bpe{n}"
-    else:
-        enc = T.load_tokenizer(spec)
-        kind = "tiktoken" if spec in T.NAMED else "dir" if Path(spec).is_dir() else "file"
-        name = enc.name
-    return enc, T.save_tokenizer_dir(enc, tok_dir, kind, name)
+        return T.train_bpe(bpe_sample(cfg, threshold), n, f"bpe{n}"), "bpe", f"bpe{n}"
+    enc = T.load_tokenizer(spec)
+    return enc, "tiktoken" if spec in T.NAMED else "dir" if Path(spec).is_dir() else "file", enc.name
 
 
 def bpe_sample(cfg: PrepareConfig, threshold: int) -> Iterator[str]:
@@ -303,27 +306,26 @@ def prepare(cfg: PrepareConfig) -> S.Manifest:
     if finished:
         print(f"{out} is already prepared with these arguments; nothing to do", file=sys.stderr)
         return S.load_manifest(out)
-    source = _source(cfg)
-    if next(iter(documents(cfg, source)), None) is None:  # before anything is written
+    if next(iter(documents(cfg, _source(cfg))), None) is None:  # before anything is written
         raise DataError(f"source {cfg.source!r} has no documents (empty files, or --text-field "
                         "empty everywhere); point --source at real text")
     threshold = val_threshold(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    save_state(out, identity, done)  # first, so a crash from here on leaves a resumable dir
-    enc, tok_meta = setup_tokenizer(cfg, out, threshold)
+    enc, kind, name = setup_tokenizer(cfg, out, threshold)
     dtype = S.dtype_for_vocab(enc.n_vocab) if cfg.dtype == "auto" else np.dtype(cfg.dtype)
     if enc.n_vocab > np.iinfo(dtype).max + 1:
         raise DataError(f"vocabulary of {enc.n_vocab} tokens does not fit --dtype {cfg.dtype}; "
                         "use --dtype uint32 or auto")
-    stats = run_pipeline(cfg, source, enc, dtype, threshold, done,
+    out.mkdir(parents=True, exist_ok=True)
+    save_state(out, identity, done)  # first, so a crash from here on leaves a resumable dir
+    tok_meta = T.save_tokenizer_dir(enc, out / TOKENIZER_DIR, kind, name)
+    stats = run_pipeline(cfg, _source(cfg), enc, dtype, threshold, done,
                          on_shard=lambda: save_state(out, identity, done))
-    order = {sp: i for i, sp in enumerate(S.SPLITS)}
     m = S.Manifest(
         version=S.FORMAT_VERSION, vocab_size=enc.n_vocab, eot_id=T.eot_id(enc),
         tokenizer={k: tok_meta[k] for k in ("kind", "name", "vocab_size", "eot_id", "sha256",
                                             "pattern")} | {"spec": cfg.tokenizer},
         source=cfg.source, args=identity, stats=stats, dtype=dtype.name,
-        shards=sorted(done, key=lambda s: (order[s.split], s.file)), data_dir=out)
+        shards=sort_shards(done), data_dir=out)
     if not m.num_tokens("train"):
         raise DataError("every document went to val; lower --val-fraction/--val-docs")
     m.save(out)

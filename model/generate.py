@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from model.model import GPT, ModelConfig
 
@@ -39,9 +38,16 @@ class KVCache:
         shape = (cfg.n_layer, batch_size, cfg.n_kv_head, S, cfg.head_dim)
         self.k_LBGSK = torch.zeros(shape, device=device, dtype=dtype)
         self.v_LBGSK = torch.zeros(shape, device=device, dtype=dtype)
+        self.k_layers, self.v_layers = self.k_LBGSK.unbind(0), self.v_LBGSK.unbind(0)
         # pad_B[b] = number of left-padding slots of row b (its real tokens start there).
-        self.pad_B = torch.zeros(batch_size, dtype=torch.long, device=device) if pad_B is None else pad_B
-        self.padded = bool(self.pad_B.any())
+        pad_B = torch.zeros(batch_size, dtype=torch.long, device=device) if pad_B is None else pad_B
+        self.padded = bool(pad_B.any())
+        # Everything a step needs is precomputed here and sliced per step: the decode loop then
+        # runs no index arithmetic of its own.
+        slot_S = torch.arange(S, device=device)
+        self.pos_BS = (slot_S[None, :] - pad_B[:, None]).clamp(min=0)  # RoPE position per slot
+        self.real_B11S = (slot_S[None, :] >= pad_B[:, None])[:, None, None, :]  # not padding
+        self.slot_S = slot_S
         self.pos = 0  # slots filled so far (same for every row)
         self.attn_mask: torch.Tensor | None = None
         self.is_causal = False
@@ -56,27 +62,24 @@ class KVCache:
         start, end = self.pos, self.pos + T
         if end > self.k_LBGSK.shape[3]:
             raise ValueError(f"KV cache full: {end} positions needed, {self.k_LBGSK.shape[3]} allocated")
-        device = self.pad_B.device
-        q_T = torch.arange(start, end, device=device)
+        self.is_causal = not self.padded and start == 0 and T > 1  # a fresh prefill: plain causal
         if not self.padded and (T == 1 or start == 0):
-            # One new token attends to everything cached; a fresh prefill is plain causal.
-            self.attn_mask, self.is_causal = None, T > 1
+            self.attn_mask = None  # one new token attends to everything cached
+        elif T == 1:
+            self.attn_mask = self.real_B11S[..., :end]
         else:
-            k_S = torch.arange(end, device=device)
-            causal_TS = k_S[None, :] <= q_T[:, None]
-            real_BS = k_S[None, :] >= self.pad_B[:, None]
+            k_S, q_T1 = self.slot_S[:end], self.slot_S[start:end, None]
             # A padding query sees only itself, so no row of the mask is empty (that gives NaN).
-            self_TS = k_S[None, :] == q_T[:, None]
-            self.attn_mask = (causal_TS & (real_BS[:, None, :] | True))[:, None]  # (B, 1, T, S)
-            self.is_causal = False
-        return (q_T[None, :] - self.pad_B[:, None]).clamp(min=0)
+            self.attn_mask = (k_S <= q_T1) & (self.real_B11S[..., :end] | (k_S == q_T1))
+        return self.pos_BS[:, start:end]
 
     def update(self, layer: int, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor):
         """Write this chunk's keys/values and return views of the filled part, (B, G, S, K)."""
         end = self.pos + k_BGTK.shape[2]
-        self.k_LBGSK[layer, :, :, self.pos : end] = k_BGTK
-        self.v_LBGSK[layer, :, :, self.pos : end] = v_BGTK
-        return self.k_LBGSK[layer, :, :, :end], self.v_LBGSK[layer, :, :, :end]
+        k_BGSK, v_BGSK = self.k_layers[layer][:, :, :end], self.v_layers[layer][:, :, :end]
+        k_BGSK[:, :, self.pos :] = k_BGTK
+        v_BGSK[:, :, self.pos :] = v_BGTK
+        return k_BGSK, v_BGSK
 
     def advance(self, T: int) -> None:
         self.pos += T

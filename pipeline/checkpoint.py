@@ -149,7 +149,9 @@ def save_training(
         tmp.mkdir(parents=True)
     barrier(info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not info.is_distributed
+    )
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank:05d}.pt")
     barrier(info)
     if info.is_main:
@@ -183,7 +185,7 @@ def load_training(
     meta = read_meta(ckpt_dir)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not info.is_distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

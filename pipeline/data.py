@@ -61,6 +61,10 @@ class TokenWindows:
                 f"the {split} split of {data_dir} has {self.num_tokens} tokens, fewer than "
                 f"seq_len + 1 = {seq_len + 1}; lower data.seq_len or prepare more data")
 
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split's stream as int64, across shard boundaries."""
+        return self._read(start, stop, {})
+
     def windows(self, indices) -> np.ndarray:
         """int64 array (len(indices), seq_len + 1); a window may span shard boundaries."""
         # Fresh memmaps per call, dropped on return: a long-lived np.memmap keeps every page it
@@ -70,16 +74,22 @@ class TokenWindows:
         for row, i in enumerate(indices):
             if not 0 <= i < self.num_windows:
                 raise IndexError(f"window {i} out of range [0, {self.num_windows})")
-            pos, end = int(i) * self.seq_len, int(i) * self.seq_len + self.seq_len + 1
-            col = 0
-            while pos < end:
-                k = int(np.searchsorted(self.starts, pos, side="right")) - 1
-                if k not in shards:
-                    shards[k] = open_shard(self.paths[k])
-                take = min(end, int(self.starts[k + 1])) - pos
-                local = pos - int(self.starts[k])
-                out[row, col:col + take] = shards[k][local:local + take]
-                pos, col = pos + take, col + take
+            start = int(i) * self.seq_len
+            out[row] = self._read(start, start + self.seq_len + 1, shards)
+        return out
+
+    def _read(self, start: int, stop: int, shards: dict[int, np.ndarray]) -> np.ndarray:
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"tokens [{start}, {stop}) out of range [0, {self.num_tokens})")
+        out, pos = np.empty(stop - start, dtype=np.int64), start
+        while pos < stop:
+            k = int(np.searchsorted(self.starts, pos, side="right")) - 1
+            if k not in shards:
+                shards[k] = open_shard(self.paths[k])
+            end = min(stop, int(self.starts[k + 1]))
+            first = int(self.starts[k])
+            out[pos - start:end - start] = shards[k][pos - first:end - first]
+            pos = end
         return out
 
     def window(self, i: int) -> np.ndarray:
@@ -130,7 +140,7 @@ class TrainLoader:
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """grad_accum_steps (x_BT, y_BT) int64 CPU tensors: this rank's share of the next step."""
         if self._position + self.windows_per_step > self.windows.num_windows:
-            self._position = 0
+            self._epoch, self._position = self._epoch + 1, 0  # drop the partial tail
         step = self._order_of(self._epoch)[self._position:self._position + self.windows_per_step]
         self._position += self.windows_per_step
         per_rank = self.micro_batch_size * self.grad_accum_steps

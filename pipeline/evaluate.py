@@ -1,6 +1,11 @@
 """Held-out loss, perplexity and bits per byte — one function for training's periodic eval and
 for `lmforge eval`, so the two report the same number for the same checkpoint and tokens.
 
+The eval set of a split is cut by `eval_batches` into non-overlapping windows: every token after
+the first is a target exactly once, the last window being shorter when seq_len does not divide the
+split (nothing is dropped). Training's val eval and `lmforge eval --max-tokens N` call it with the
+same arguments, so they evaluate the very same windows in the very same batches.
+
 Bits per byte divides the summed loss (nats) by ln 2 and by the UTF-8 bytes the target tokens
 decode to, which makes models with different tokenizers comparable.
 """
@@ -11,11 +16,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.data import IGNORE_INDEX
+from data_prep.shards import open_shard
+from pipeline.data import IGNORE_INDEX, TokenWindows
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.parallelize import autocast
 
@@ -88,3 +95,48 @@ def evaluate(
 def _dummy(info: DistInfo) -> tuple[torch.Tensor, torch.Tensor]:
     zeros = torch.zeros(1, 1, dtype=torch.int64)
     return zeros, zeros
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _read(windows: TokenWindows, start: int, stop: int) -> np.ndarray:
+    """Stream tokens [start, stop) of the split as int64, across shard boundaries."""
+    out, pos = [], start
+    while pos < stop:
+        k = int(np.searchsorted(windows.starts, pos, side="right")) - 1
+        end = min(stop, int(windows.starts[k + 1]))
+        first = int(windows.starts[k])
+        out.append(open_shard(windows.paths[k])[pos - first:end - first])
+        pos = end
+    return np.concatenate(out).astype(np.int64)
+
+
+def eval_batches(
+    windows: TokenWindows, batch_size: int, rank: int, world_size: int,
+    max_tokens: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (x_BT, y_BT) batches for evaluating the first `max_tokens` targets of the split
+    (all of it when None), T = windows.seq_len.
+
+    Window j predicts stream tokens jT+1 .. min(jT+T, M) from the T tokens before each, so the
+    windows tile the M = min(max_tokens, tokens - 1) targets exactly; the last may be shorter.
+    Window j goes to rank j % world_size: the union over ranks is the same whatever the world
+    size. Every rank gets the same number of batches (FSDP runs each forward on every rank);
+    short rows and missing rows are padded with IGNORE_INDEX targets, which `evaluate` skips.
+    """
+    T = windows.seq_len
+    M = windows.num_tokens - 1 if max_tokens is None else min(max_tokens, windows.num_tokens - 1)
+    if M < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    n = _ceil_div(M, T)
+    mine = range(rank, n, world_size)
+    num_batches = _ceil_div(_ceil_div(n, world_size), batch_size)  # the most any rank needs
+    x_NT = torch.zeros(num_batches * batch_size, T, dtype=torch.int64)
+    y_NT = torch.full_like(x_NT, IGNORE_INDEX)
+    for row, j in enumerate(mine):
+        tokens = torch.from_numpy(_read(windows, j * T, min(j * T + T, M) + 1))
+        x_NT[row, :len(tokens) - 1] = tokens[:-1]
+        y_NT[row, :len(tokens) - 1] = tokens[1:]
+    return list(zip(x_NT.split(batch_size), y_NT.split(batch_size)))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from data_prep.tokenizer import eot_id, load_tokenizer_dir, token_byte_lengths
 from model import GPT, ModelConfig, generate
@@ -75,6 +76,18 @@ def model_config_for(cfg: JobConfig, data_vocab: int) -> ModelConfig:
     if cfg.model.vocab_size == 0:
         return replace(cfg.model, vocab_size=data_vocab)
     return cfg.model
+
+
+def count_params(cfg: JobConfig) -> int:
+    """Parameters of the configured model, built on the meta device (no memory, no data read
+    beyond the manifest; before `prepare` has run, the embedding is left out of the count)."""
+    try:
+        model_cfg = model_config_for(cfg, load_manifest(cfg.data.path).vocab_size)
+    except DataError:
+        model_cfg = replace(cfg.model, vocab_size=cfg.model.vocab_size or 1)
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    return model.num_params(exclude_embeddings=model_cfg.vocab_size == 1)
 
 
 def find_resume(cfg: JobConfig, run_dir: Path) -> Path | None:
@@ -269,7 +282,7 @@ class Trainer:
             log.info("%s", self.model.summary())
             log.info("%s", describe(cfg, self.derived, self.model.num_params()))
             log.info("parallel=%s world=%d device=%s dtype=%s", self.parallel, info.world_size, info.device, cfg.train.dtype)
-        progress = Progress(cfg.train.max_steps, initial=self.step, enabled=info.is_main)
+        progress = Progress(cfg.train.max_steps, cfg.log.log_every, info.is_main, start_step=self.step)
         step_tokens = cfg.train.global_batch_tokens
         while self.step < cfg.train.max_steps:
             set_lr(self.optimizer, lr := lr_at(self.step, cfg.train.max_steps, cfg.optim))
@@ -338,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(to_toml(cfg))
-        print(describe(cfg, derive(cfg, int(os.environ.get("WORLD_SIZE", "1"))), None))
+        print(describe(cfg, derive(cfg, int(os.environ.get("WORLD_SIZE", "1"))), count_params(cfg)))
         return 0
     info = init_distributed(cfg.train.device)
     setup_logging(info.rank, Path(cfg.log.out_dir) if info.is_main else None)

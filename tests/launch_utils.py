@@ -52,7 +52,7 @@ def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun") -> li
         return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 "-m", "pipeline.train", *args]
     if launcher == "accelerate":
-        return [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--cpu",
+        return [py, "-m", "accelerate.commands.launch", "--multi_gpu",
                 "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                 "-m", "pipeline.train", *args]
@@ -64,7 +64,31 @@ def start(cmd: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def children(pid: int) -> list[int]:
+    """Direct children of a process (torchrun starts its workers in sessions of their own)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the launcher's process group and every descendant, wherever its session."""
+    pids, todo = [], [proc.pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += children(pid)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:

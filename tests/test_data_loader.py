@@ -62,6 +62,8 @@ def test_windows_span_shards(data):
         assert w.window(i).tolist() == list(range(i * SEQ, i * SEQ + SEQ + 1))
     with pytest.raises(IndexError):
         w.window(w.num_windows)
+    assert w.tokens(95, 140).tolist() == list(range(95, 140))
+    assert w.tokens(0, w.num_tokens).tolist() == list(range(448))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

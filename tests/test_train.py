@@ -87,7 +87,7 @@ def test_resume_refuses_checkpoint_of_another_model(tiny_data, tmp_path):
     run_dir = tmp_path / "r"
     Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "2"), CPU).fit()
     with pytest.raises(ckpt.CheckpointError, match="another model.*d_model"):
-        Trainer(cfg_for(tiny_data, run_dir, "--model.d_model", "128", "--resume", "auto",
+        Trainer(cfg_for(tiny_data, run_dir, "--model.d_model", "128", "--checkpoint.resume", "auto",
                         "--train.max_steps", "4"), CPU)
 
 

@@ -1,0 +1,130 @@
+"""`lmforge eval`: loss, perplexity and bits per byte of a checkpoint on a prepared split.
+
+    lmforge eval --ckpt runs/tiny --data data/pystdlib [--split val] [--max-tokens N] [--json F]
+    torchrun --nproc_per_node=8 -m launch.evaluate --ckpt ... --data ...   (ranks split the tokens)
+
+The windows are `pipeline.evaluate.eval_batches` (every target token counted once, tail
+included) and the arithmetic is `pipeline.evaluate.evaluate`, both shared with training's val
+eval: with the run's seq_len, batch size and `--max-tokens` = its `eval.tokens`, the perplexity
+printed here is exp(val_loss) that training logged for the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from data_prep.errors import DataError
+from data_prep.shards import SPLITS, load_manifest
+from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_byte_lengths
+from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
+from pipeline.config import ConfigError
+from pipeline.data import TokenWindows
+from pipeline.distributed import DistInfo, init_distributed, teardown
+from pipeline.evaluate import EvalResult, eval_batches, evaluate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmforge eval",
+        description="Loss, perplexity and bits per byte of a checkpoint on a prepared split. "
+                    "Runs under torchrun too (the ranks split the tokens).")
+    p.add_argument("--ckpt", required=True,
+                   help="run directory (newest checkpoint), checkpoints/step_* or final/")
+    p.add_argument("--data", required=True, type=Path, help="dataset prepared by lmforge prepare")
+    p.add_argument("--split", default="val", choices=SPLITS)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="evaluate only the first N target tokens (default: the whole split)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="windows per forward (default: the run's eval.batch_size)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="window length (default: the run's data.seq_len)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="also write the results to FILE as JSON")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    return p
+
+
+def check_same_tokenizer(data_dir: Path, tokenizer_dir: Path) -> None:
+    """Token ids mean nothing under another vocabulary: refuse before computing a bogus loss."""
+    data_tok = load_manifest(data_dir).tokenizer
+    ckpt_tok = read_tokenizer_meta(tokenizer_dir)
+    if data_tok["sha256"] != ckpt_tok["sha256"]:
+        raise DataError(
+            f"{data_dir} was tokenized with {data_tok['name']} (sha256 {data_tok['sha256'][:12]}), "
+            f"the checkpoint with {ckpt_tok['name']} (sha256 {ckpt_tok['sha256'][:12]}); prepare "
+            f"the data with the checkpoint's tokenizer: lmforge prepare --tokenizer {tokenizer_dir} ...")
+
+
+def run_setting(ckpt: LoadedCheckpoint, key: str, override: int | None, fallback: int) -> int:
+    """An eval setting: the command line, else the run's config (so the defaults reproduce
+    training's val eval), else `fallback` (a checkpoint without a run config)."""
+    if override is not None:
+        value = override
+    else:
+        section, name = key.split(".")
+        value = ckpt.meta.get("config", {}).get(section, {}).get(name, fallback)
+    if value < 1:
+        raise ConfigError(f"{key} must be >= 1, got {value}")
+    return int(value)
+
+
+def evaluate_checkpoint(
+    ckpt: LoadedCheckpoint, data_dir: Path, info: DistInfo, *, split: str = "val",
+    max_tokens: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
+) -> tuple[EvalResult, int]:
+    """(result, seq_len used): collective under torchrun, every rank calls it."""
+    check_same_tokenizer(data_dir, ckpt.tokenizer_dir)
+    seq_len = run_setting(ckpt, "data.seq_len", seq_len, ckpt.config.max_seq_len)
+    batch_size = run_setting(ckpt, "eval.batch_size", batch_size, 8)
+    if seq_len > ckpt.config.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's context of "
+                          f"{ckpt.config.max_seq_len} tokens; pass --seq-len {ckpt.config.max_seq_len} or less")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
+    windows = TokenWindows(data_dir, split, seq_len, ckpt.config.vocab_size)
+    batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
+    token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
+    return evaluate(ckpt.model, batches, token_bytes, info), seq_len
+
+
+def report(result: EvalResult) -> str:
+    return "\n".join([
+        f"loss           {result.loss:.6f}",
+        f"perplexity     {result.perplexity:.4f}",
+        f"bits per byte  {result.bits_per_byte:.6f}",
+        f"tokens         {result.tokens:,} ({result.bytes:,} bytes)",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    info = init_distributed(args.device)
+    try:
+        ckpt = load_for_inference(args.ckpt, info.device)
+        result, seq_len = evaluate_checkpoint(
+            ckpt, args.data, info, split=args.split, max_tokens=args.max_tokens,
+            batch_size=args.batch_size, seq_len=args.seq_len)
+    finally:
+        teardown()
+    if not info.is_main:
+        return 0
+    print(f"checkpoint     {ckpt.path} (step {ckpt.step})")
+    print(f"data           {args.data} [{args.split}], windows of {seq_len} tokens")
+    print(report(result))
+    if args.json:
+        record = result.to_dict() | {"checkpoint": str(ckpt.path), "step": ckpt.step,
+                                     "data": str(args.data), "split": args.split, "seq_len": seq_len}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":  # torchrun -m launch.evaluate ...
+    from launch.cli import run_user_command
+
+    sys.exit(run_user_command(main, sys.argv[1:]))

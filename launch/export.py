@@ -1,0 +1,100 @@
+"""`lmforge export`: a checkpoint -> a Hugging Face Llama directory that `transformers` loads.
+
+    lmforge export --ckpt runs/tiny --hf out/tiny-hf
+    python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
+               m = AutoModelForCausalLM.from_pretrained('out/tiny-hf'); t = T.from_pretrained('out/tiny-hf')"
+
+OUT holds config.json + model.safetensors (model.hf.export_hf), the tokenizer as a `tokenizers`
+tokenizer.json + tokenizer_config.json (converted from the tiktoken vocabulary by transformers'
+TikTokenConverter; `<|endoftext|>` is the eos token), and lmforge_tokenizer/, the original
+tiktoken vocabulary, exact. OUT is written beside itself and renamed into place, and only a
+previous export (it carries EXPORT_MARKER) is ever replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+
+from data_prep.tokenizer import EOT, VOCAB_FILE, read_tokenizer_meta
+from model.hf import export_hf
+from pipeline.checkpoint import load_for_inference
+from pipeline.config import ConfigError
+
+EXPORT_MARKER = "lmforge_export.json"
+TOKENIZER_COPY = "lmforge_tokenizer"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmforge export",
+                                description="Export a checkpoint to the Hugging Face Llama format.")
+    p.add_argument("--ckpt", required=True,
+                   help="run directory (newest checkpoint), checkpoints/step_* or final/")
+    p.add_argument("--hf", required=True, type=Path, metavar="OUT", help="output directory")
+    return p
+
+
+def check_replaceable(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--hf {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise ConfigError(f"--hf {out} is not empty and not an lmforge export; "
+                          "give a new or empty directory")
+
+
+def hf_pattern(pattern: str) -> str:
+    """tiktoken's split pattern in the dialect of the `tokenizers` regex engine (Oniguruma).
+
+    tiktoken's `\\p{N}{1,3}+` is possessive; Oniguruma reads `{1,3}+` as "one or more runs of
+    1-3 digits", which splits 4+ digit numbers differently. Dropping the `+` changes nothing
+    there: the quantifier ends its alternative, so there is nothing to backtrack into."""
+    return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
+
+
+def save_hf_tokenizer(tokenizer_dir: Path, out: Path, context: int) -> None:
+    """tokenizer.json + tokenizer_config.json for AutoTokenizer, with the same ids as tiktoken."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    meta = read_tokenizer_meta(tokenizer_dir)
+    special = meta["special_tokens"]
+    tok = TikTokenConverter(vocab_file=str(tokenizer_dir / VOCAB_FILE), pattern=hf_pattern(meta["pattern"]),
+                            extra_special_tokens=special).converted()
+    # The converter appends the special tokens after the vocabulary; a vocabulary with unused ids
+    # before them (cl100k) would get other ids than tiktoken's, so refuse rather than mis-encode.
+    wrong = {name: i for name, i in special.items() if tok.token_to_id(name) != i}
+    if wrong:
+        raise ConfigError(f"cannot express the tokenizer {meta['name']} for Hugging Face (special "
+                          f"token ids {wrong} would move); use a vocabulary without id gaps")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, bos_token=EOT,
+                                 unk_token=None, model_max_length=context, clean_up_tokenization_spaces=False)
+    hf.save_pretrained(out)
+
+
+def export(ckpt_path: str | Path, out: Path) -> Path:
+    out = Path(out)
+    check_replaceable(out)
+    ckpt = load_for_inference(ckpt_path, "cpu")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_hf(ckpt.model, ckpt.config, tmp)
+    save_hf_tokenizer(ckpt.tokenizer_dir, tmp, ckpt.config.max_seq_len)
+    shutil.copytree(ckpt.tokenizer_dir, tmp / TOKENIZER_COPY)
+    marker = {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "model": ckpt.config.to_dict()}
+    (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = export(args.ckpt, args.hf)
+    print(f"exported to {out}: config.json, model.safetensors, tokenizer.json "
+          f"(+ {TOKENIZER_COPY}/, the exact tiktoken vocabulary)")
+    print(f"load it: AutoModelForCausalLM.from_pretrained({str(out)!r}), "
+          f"AutoTokenizer.from_pretrained({str(out)!r})")
+    return 0

@@ -1,0 +1,266 @@
+"""Logging for training runs: rank 0 speaks, the others only warn.
+
+- `setup_logging` / `get_logger`: the "lmforge" logger (stderr, plus run_dir/train.log on rank 0).
+- `MetricsLogger`: one JSON line per `log(step, **metrics)` in run_dir/metrics.jsonl, and wandb
+  when enabled. Train loss is logged as `loss`, validation loss as `val_loss` (what `plot_losses`
+  reads).
+- `Progress`: a tqdm bar with loss, lr, tokens/s, MFU and ETA, and a log line every log_every steps.
+- `peak_flops`: the device's peak for MFU, from a per-GPU table (CUDA) or measured once (CPU).
+- `plot_losses`: the end-of-run loss curve as a PNG.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+LOGGER_NAME = "lmforge"
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes through tqdm so that log lines appear above a live progress bar, not inside it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # logging must never take the run down
+            self.handleError(record)
+
+
+def setup_logging(rank: int, run_dir: str | os.PathLike | None = None) -> logging.Logger:
+    """Rank 0: INFO to stderr and to run_dir/train.log. Other ranks: WARNING to stderr, prefixed."""
+    logger = get_logger()
+    for handler in list(logger.handlers):  # idempotent: a second call replaces, never duplicates
+        logger.removeHandler(handler)
+        handler.close()
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False  # a root handler set up by a library would print every line twice
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    stream = _TqdmHandler(sys.stderr)
+    stream.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+    logger.addHandler(stream)
+    if rank == 0 and run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        file = logging.FileHandler(Path(run_dir) / "train.log")
+        file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(file)
+    return logger
+
+
+def _plain(value: Any) -> Any:
+    """JSON for tensors and numpy scalars: their Python value."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"cannot log {type(value).__name__} as a metric")
+
+
+class MetricsLogger:
+    """metrics.jsonl (appended, one flushed line per call) and optionally wandb; rank 0 only."""
+
+    def __init__(self, run_dir: str | os.PathLike, cfg_dict: dict[str, Any], mode: str,
+                 project: str, run_name: str | None, is_main: bool):
+        self.is_main = is_main
+        self._file = None
+        self._wandb_run = None
+        if not is_main:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run continues the same file (plot_losses keeps the last record of a
+        # step logged twice).
+        self._file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        # WANDB_MODE in the environment wins over the config, so a cluster or CI can silence it;
+        # a config of "disabled" never imports wandb at all.
+        mode = mode if mode == "disabled" else os.environ.get("WANDB_MODE", mode)
+        if mode != "disabled":
+            self._wandb_run = self._init_wandb(run_dir, cfg_dict, mode, project,
+                                               run_name or run_dir.name)
+
+    @staticmethod
+    def _init_wandb(run_dir: Path, cfg_dict, mode, project, name):
+        try:
+            import wandb
+
+            settings = wandb.Settings(init_timeout=30, login_timeout=10, silent=True)
+            return wandb.init(project=project, name=name, config=cfg_dict, dir=run_dir,
+                              mode=mode, settings=settings)
+        except Exception as e:  # no account, no network, bad mode: JSONL still works
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            get_logger().warning(f"wandb {mode} unavailable ({msg}); logging to metrics.jsonl only")
+            return None
+
+    def log(self, step: int, **metrics: Any) -> None:
+        if self._file is None:
+            return
+        record = {"step": step, **metrics, "time": round(time.time(), 3)}
+        self._file.write(json.dumps(record, default=_plain) + "\n")
+        self._file.flush()  # a crashed run keeps every line it logged
+        if self._wandb_run is not None:
+            self._wandb_run.log(json.loads(json.dumps(metrics, default=_plain)), step=step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+    """The rank-0 progress bar (shown only on a terminal) plus a log line every log_every steps."""
+
+    def __init__(self, total_steps: int, log_every: int, is_main: bool, start_step: int = 0):
+        self.total_steps = total_steps
+        self.log_every = log_every
+        self.is_main = is_main
+        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         disable=not (is_main and sys.stderr.isatty()), file=sys.stderr)
+        # ETA from the first update on: the first step pays for compilation and warm-up.
+        self._t0, self._step0 = None, start_step
+
+    def _eta(self, step: int) -> str:
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0, self._step0 = now, step
+        done = step - self._step0
+        return _fmt_duration((self.total_steps - step) * (now - self._t0) / done) if done else "?"
+
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float,
+               mfu: float | None) -> None:
+        """`step` is the number of optimizer steps completed; `mfu` a fraction, None if unknown."""
+        if not self.is_main:
+            return
+        mfu_text = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+        stats = f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s | MFU {mfu_text}"
+        eta = self._eta(step)
+        self._bar.set_postfix_str(stats, refresh=False)
+        self._bar.update(step - self._bar.n)
+        if step % self.log_every == 0 or step == self.total_steps:
+            get_logger().info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | "
+                              f"{stats} | ETA {eta}")
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+# Dense (no sparsity) peak FLOP/s from NVIDIA's datasheets; bf16/fp16 tensor cores accumulating
+# in fp32 (GeForce cards run those at half their fp16-accumulate rate). Searched in order, so a
+# more specific name comes first; \b keeps "A10" from matching "A100" or "A10G".
+_GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
+    (r"H200 NVL", "H200 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
+    (r"H200", "H200 SXM", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    (r"H100 NVL", "H100 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
+    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    (r"H100", "H100 SXM", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    (r"A100", "A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"\bA10\b", "A10", {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (r"L40S", "L40S", {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (r"\bL4\b", "L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (r"RTX 4090", "RTX 4090", {"bf16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12}),
+    (r"RTX 3090", "RTX 3090", {"bf16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12}),
+]
+
+
+def _cuda_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    name = torch.cuda.get_device_name(device)
+    if dtype in (torch.bfloat16, torch.float16):
+        kind = "bf16"
+    else:  # fp32 matmuls run on tensor cores as TF32 unless the precision is "highest"
+        kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    for pattern, label, peaks in _GPU_PEAKS:
+        if re.search(pattern, name):
+            get_logger().info(f"MFU relative to the {label} dense {kind} peak, "
+                              f"{peaks[kind] / 1e12:.0f} TFLOP/s")
+            return peaks[kind]
+    get_logger().warning(f"no peak FLOP/s known for '{name}'; MFU is not reported")
+    return None
+
+
+def _cpu_peak(dtype: torch.dtype) -> float:
+    """Best matmul FLOP/s over ~0.5 s, with the threads torch uses; an upper bound in practice."""
+    n = 512
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best, deadline = 0.0, time.perf_counter() + 0.5
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    get_logger().info(f"MFU relative to this CPU's measured {dtype} matmul peak, "
+                      f"{best / 1e9:.0f} GFLOP/s ({torch.get_num_threads()} threads)")
+    return best
+
+
+@functools.cache
+def _peak(device_type: str, index: int | None, dtype: torch.dtype, precision: str) -> float | None:
+    if device_type == "cuda":
+        return _cuda_peak(torch.device("cuda", index), dtype)
+    if device_type == "cpu":
+        return _cpu_peak(dtype)
+    return None
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of `device` for matmuls in `dtype` (None if unknown); logs which peak it is.
+
+    Cached: the CPU measurement runs once per dtype. MFU = achieved FLOP/s / this.
+    """
+    device = torch.device(device)
+    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())
+
+
+def _read_losses(metrics_jsonl: Path, key: str) -> tuple[list[int], list[float]]:
+    by_step: dict[int, float] = {}
+    with open(metrics_jsonl) as f:
+        for line in f:
+            record = json.loads(line)
+            if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]):
+                by_step[record["step"]] = record[key]  # a resumed run re-logs: the last wins
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def plot_losses(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) -> Path:
+    """Train (`loss`) and validation (`val_loss`) loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    metrics_jsonl, out_png = Path(metrics_jsonl), Path(out_png)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key, label, style in (("loss", "train", "-"), ("val_loss", "val", "o-")):
+        steps, values = _read_losses(metrics_jsonl, key)
+        if steps:
+            ax.plot(steps, values, style, label=label, markersize=4)
+    ax.set_title(f"Loss — {metrics_jsonl.parent.name}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png
