@@ -162,7 +162,7 @@ def stream(
 
     cache = new_cache(P + max_new_tokens) if use_cache else None
     # Without a cache every step recomputes the whole (padded) sequence through a throwaway one.
-    logits_BV = model(idx_BT, kv_cache=cache or new_cache(P))[:, -1]
+    logits_BV = model(idx_BT, kv_cache=cache if cache is not None else new_cache(P))[:, -1]
     finished = [False] * B
     for step in range(max_new_tokens):
         next_B = sample(logits_BV, temperature, top_k, top_p, generator)

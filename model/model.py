@@ -275,7 +275,8 @@ class GPT(nn.Module):
         # fp32 log-probs for backward: the single fp32 B×T×V tensor unavoidable without a fused
         # kernel (tests/test_model.py measures it). Returning only the loss, never the logits,
         # keeps the bf16 logits from staying alive beside it.
-        logits_BTV[..., self.cfg.vocab_size :] = float("-inf")
+        if self.cfg.padded_vocab_size > self.cfg.vocab_size:
+            logits_BTV[..., self.cfg.vocab_size :] = float("-inf")
         loss = F.cross_entropy(
             logits_BTV.flatten(0, 1), targets_BT.flatten(), ignore_index=ignore_index, reduction=reduction
         )

@@ -21,9 +21,11 @@ Every checkpoint carries its tokenizer, so a single directory is enough to evalu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,14 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 class CheckpointError(Exception):
     """A checkpoint is missing, incomplete, from another format version, or from another model."""
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns on every single-process save/load, which for us is a normal, intended case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -149,9 +159,10 @@ def save_training(
         tmp.mkdir(parents=True)
     barrier(info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save(
-        {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not info.is_distributed
-    )
+    with _single_process_ok():
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not info.is_distributed
+        )
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank:05d}.pt")
     barrier(info)
     if info.is_main:
@@ -185,7 +196,8 @@ def load_training(
     meta = read_meta(ckpt_dir)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not info.is_distributed)
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not info.is_distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -256,7 +268,8 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     else:
         state = {k: v for k, v in model.state_dict().items()}
         box = {"model": state}
-        dcp.load(box, checkpoint_id=str(ckpt), no_dist=True)
+        with _single_process_ok():
+            dcp.load(box, checkpoint_id=str(ckpt), no_dist=True)
         state = box["model"]
     _load_strict(model, state, cfg, ckpt)
     model.to(device).eval()

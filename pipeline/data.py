@@ -43,11 +43,13 @@ class TokenWindows:
                 f"{data_dir}; set model.vocab_size = {manifest.vocab_size} (or 0 to take it from "
                 "the data), or re-prepare the data with the model's tokenizer")
         infos = [s for s in manifest.shards if s.split == split]
-        # Header and size only: a full checksum of every shard at each start would cost minutes
-        # on big corpora (`lmforge prepare --verify` does that).
+        # Headers now; each shard's sha256 the first time this process reads it, so a corrupted
+        # shard is caught before training on it without hashing a whole corpus at start.
         for info in infos:
             check_shard(manifest.data_dir / info.file, info, manifest.vocab_size, checksum=False)
         self.paths = [manifest.data_dir / s.file for s in infos]
+        self._infos = infos
+        self._checked: set[int] = set()
         self.vocab_size = manifest.vocab_size
         self.eot_id = manifest.eot_id
         self.split = split
@@ -85,12 +87,18 @@ class TokenWindows:
         while pos < stop:
             k = int(np.searchsorted(self.starts, pos, side="right")) - 1
             if k not in shards:
-                shards[k] = open_shard(self.paths[k])
+                shards[k] = self._open(k)
             end = min(stop, int(self.starts[k + 1]))
             first = int(self.starts[k])
             out[pos - start:end - start] = shards[k][pos - first:end - first]
             pos = end
         return out
+
+    def _open(self, k: int) -> np.ndarray:
+        if k not in self._checked:
+            check_shard(self.paths[k], self._infos[k], self.vocab_size, checksum=True)
+            self._checked.add(k)
+        return open_shard(self.paths[k])
 
     def window(self, i: int) -> np.ndarray:
         return self.windows([i])[0]

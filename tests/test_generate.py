@@ -7,6 +7,16 @@ from model.generate import sample
 VOCAB = 97
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Decoding runs thousands of tiny ops: extra OpenMP threads only add synchronisation, and on
+    a loaded 2-core machine they made this module ~40x slower (23 s vs 0.6 s for one test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_model(n_kv_head: int = 4, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=n_kv_head, d_model=64, max_seq_len=128)

@@ -126,3 +126,19 @@ def test_compiled_training_matches_eager(tiny_data, tmp_path):
     Trainer(cfg_for(tiny_data, tmp_path / "comp", "--train.max_steps", "4", "--train.compile", "on"), CPU).fit()
     eager, comp = losses(tmp_path / "eager"), losses(tmp_path / "comp")
     assert max(abs(eager[s] - comp[s]) for s in eager) < 1e-4
+
+
+def test_corrupted_shard_is_caught_by_the_training_loader(tiny_data, tmp_path):
+    import shutil
+
+    from data_prep.errors import DataError
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shard = data / "train_000000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped payload byte: header and size still look fine
+    shard.write_bytes(bytes(raw))
+    trainer = Trainer(cfg_for(data, tmp_path / "r"), CPU)
+    with pytest.raises(DataError, match="train_000000.bin fails its sha256"):
+        trainer.train_step()
