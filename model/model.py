@@ -143,8 +143,9 @@ class Attention(nn.Module):
             attn_mask, is_causal = kv_cache.attn_mask, kv_cache.is_causal
             k_BGSK, v_BGSK = kv_cache.update(self.layer_idx, k_BGTK, v_BGTK)
         # enable_gqa lets SDPA read the G shared K/V heads directly instead of materialising
-        # H/G copies with repeat_interleave; on CUDA the flash kernel handles it natively, and on
-        # CPU it measured faster than repeat too, forward + backward (bench/model_bench.py, gqa).
+        # H/G copies with repeat_interleave. On CUDA the flash kernel (bf16/fp16) supports it
+        # natively (torch documents flash + math only); on CPU the flash kernel measured faster
+        # than repeat_interleave, forward + backward (bench/model_bench.py, "gqa" line).
         y_BHTK = F.scaled_dot_product_attention(
             q_BHTK, k_BGSK, v_BGSK, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=G != H
         )
@@ -155,10 +156,10 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
-        F_ = cfg.mlp_hidden
+        hidden = cfg.mlp_hidden
         # SwiGLU's gate and up projections fused into one GEMM (first half gate, second half up).
-        self.up = nn.Linear(cfg.d_model, 2 * F_ if self.swiglu else F_, bias=False)
-        self.down = nn.Linear(F_, cfg.d_model, bias=False)
+        self.up = nn.Linear(cfg.d_model, 2 * hidden if self.swiglu else hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
 
     def forward(self, x_BTD):
         h_BTF = self.up(x_BTD)
