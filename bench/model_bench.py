@@ -7,6 +7,8 @@ Prints, as ratios measured in this same run (only ratios mean anything on a shar
   train   tokens/s of a training step: forward + mean cross-entropy + backward + AdamW step
   decode  tokens/s of greedy decoding, batch 1, 256 new tokens, KV cache (ours: model.generate,
           reference: LlamaForCausalLM.generate with its default cache)
+  decode+c the same with both sides compiled: our generate(compile=True) vs transformers' static
+          cache + compiled forward; compilation is done in an untimed call and not counted
   cache   our decode with the KV cache vs full recompute, 32 new tokens after 512 of context
   gqa     F.scaled_dot_product_attention with enable_gqa=True vs repeat_interleave of K/V
 Both models are fp32, eager, SDPA attention; the reference is loaded from our export_hf output
@@ -99,20 +101,33 @@ def bench_train(ours, ref, steps: int, rounds: int) -> dict[str, float]:
     )
 
 
-def bench_decode(ours, ref, rounds: int) -> tuple[dict[str, float], float]:
+def bench_decode(ours, ref, rounds: int, compile: bool) -> tuple[dict[str, list[float]], float]:
+    """Eager: our generate vs transformers' generate with its default DynamicCache. Compiled: our
+    compile=True vs transformers' own compiled path, a static cache with its forward compiled
+    (CompileConfig with _compile_all_devices, as transformers only auto-compiles on accelerators).
+    One untimed call of each first: compilation is excluded from the rates."""
+    from transformers import CompileConfig
+
     prompt = torch.randint(0, ours.cfg.vocab_size, (1, DECODE_PROMPT))
     out: dict[str, list[int]] = {}
+    ref_kwargs = {}
+    if compile:
+        compile_config = CompileConfig(mode="default", fullgraph=True, dynamic=False)
+        compile_config._compile_all_devices = True
+        ref_kwargs = dict(cache_implementation="static", compile_config=compile_config)
 
     def run_ours() -> float:
-        t = timed(lambda: out.__setitem__("ours", generate(ours, prompt.tolist(), DECODE_NEW, temperature=0)[0]))
-        return DECODE_NEW / t
+        def call():
+            out["ours"] = generate(ours, prompt.tolist(), DECODE_NEW, temperature=0, compile=compile)[0]
+
+        return DECODE_NEW / timed(call)
 
     def run_ref() -> float:
         def call():
             with torch.inference_mode():
                 seq = ref.generate(
                     prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=DECODE_NEW,
-                    min_new_tokens=DECODE_NEW, do_sample=False, use_cache=True, pad_token_id=0,
+                    min_new_tokens=DECODE_NEW, do_sample=False, use_cache=True, pad_token_id=0, **ref_kwargs,
                 )
             out["transformers"] = seq[0, DECODE_PROMPT:].tolist()
 
@@ -188,9 +203,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock}, {rounds} interleaved rounds")
     print(f"train: batch {TRAIN_BATCH} x {TRAIN_SEQ} tokens, {steps} steps per round, fp32, AdamW")
     report("train", bench_train(ours, ref, steps, rounds), "tok/s", 1.2)
-    decode, same = bench_decode(ours, ref, rounds)
-    report("decode", decode, "tok/s", 2.0)
-    print(f"        greedy tokens identical to transformers: {same:.0%} (prompt {DECODE_PROMPT}, {DECODE_NEW} new)")
+    for compile in (False, True):
+        decode, same = bench_decode(ours, ref, rounds, compile)
+        report("decode" + ("+c" if compile else ""), decode, "tok/s", 2.0)
+        how = "both torch.compile'd, static caches" if compile else "both eager"
+        print(f"        {how}; greedy tokens identical to transformers: {same:.0%} (prompt {DECODE_PROMPT}, {DECODE_NEW} new)")
     report("cache", bench_cache(ours, rounds), "tok/s", 5.0)
     print(f"        context {CACHE_CONTEXT} tokens, {CACHE_NEW} new")
     report("gqa", bench_gqa(cfg, rounds), "it/s", 1.0)

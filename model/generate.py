@@ -10,6 +10,7 @@ Dimension key as in model/model.py (L layers, B batch, G kv heads, S cache lengt
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -85,6 +86,53 @@ class KVCache:
         self.pos += T
 
 
+class StaticKVCache(KVCache):
+    """A KVCache whose one-token decode steps have constant shapes, for torch.compile.
+
+    Each step attends over all S slots with the unfilled ones masked, and the slot it writes is a
+    tensor: a Python int position would be baked into the compiled graph and recompile it every
+    step. The prompt's prefill (T > 1) runs through KVCache unchanged, before any decode step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slot_1 = torch.zeros(1, dtype=torch.long, device=self.slot_S.device)
+
+    def begin(self, T: int) -> torch.Tensor:
+        if T > 1:
+            return super().begin(T)
+        self.is_causal = False
+        self.attn_mask = self.real_B11S & (self.slot_S <= self.slot_1)
+        return self.pos_BS[:, self.slot_1]
+
+    def update(self, layer: int, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor):
+        if k_BGTK.shape[2] > 1:
+            return super().update(layer, k_BGTK, v_BGTK)
+        self.k_layers[layer].index_copy_(2, self.slot_1, k_BGTK)
+        self.v_layers[layer].index_copy_(2, self.slot_1, v_BGTK)
+        return self.k_layers[layer], self.v_layers[layer]
+
+    def advance(self, T: int) -> None:
+        if T > 1:  # the prefill: the Python int is read by KVCache.begin, never by a decode step
+            super().advance(T)
+            self.slot_1.fill_(self.pos)
+        else:
+            self.slot_1 += 1
+
+
+def _decode_step(model: GPT, idx_B1: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    return model(idx_B1, kv_cache=cache)[:, -1]
+
+
+COMPILE_BUCKET = 64
+
+
+@functools.cache
+def _compiled_decode_step():
+    """Compiled on first use (importing torch._dynamo is slow): one graph per model, batch size
+    and cache length; dynamic=False keeps every shape static."""
+    return torch.compile(_decode_step, fullgraph=True, dynamic=False)
+
+
 def sample(
     logits_BV: torch.Tensor,
     temperature: float = 1.0,
@@ -143,9 +191,14 @@ def stream(
     seed: int | None = None,
     stop_token: int | None = None,
     use_cache: bool = True,
+    compile: bool = False,
 ) -> Iterator[list[int | None]]:
     """Yield, per step, each row's new token id, or None once the row has produced stop_token
-    (the stop token itself is not yielded). Stops after max_new_tokens or when all rows stopped."""
+    (the stop token itself is not yielded). Stops after max_new_tokens or when all rows stopped.
+
+    compile=True runs each one-token step as a torch.compile'd graph over a StaticKVCache: the
+    first call for a new model, batch size or length pays the compilation (tens of seconds on
+    CPU), later calls reuse it."""
     cfg = model.cfg
     _check_args(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
     weight = model.tok_emb.weight
@@ -157,10 +210,18 @@ def stream(
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
 
-    def new_cache(length: int) -> KVCache:
-        return KVCache(cfg, B, length, pad_B=pad_B, device=device, dtype=dtype)
+    def new_cache(length: int, cache_class: type[KVCache] = KVCache) -> KVCache:
+        return cache_class(cfg, B, length, pad_B=pad_B, device=device, dtype=dtype)
 
-    cache = new_cache(P + max_new_tokens) if use_cache else None
+    if compile and not use_cache:
+        raise ValueError("compile=True needs use_cache=True (it compiles the cached decode step)")
+    if compile:
+        # Lengths rounded up to a multiple of COMPILE_BUCKET share one graph, so prompts of other
+        # lengths do not each recompile; the extra slots stay masked.
+        length = min(cfg.max_seq_len, -(-(P + max_new_tokens) // COMPILE_BUCKET) * COMPILE_BUCKET)
+        step_fn, cache = _compiled_decode_step(), new_cache(length, StaticKVCache)
+    else:
+        step_fn, cache = _decode_step, new_cache(P + max_new_tokens) if use_cache else None
     # Without a cache every step recomputes the whole (padded) sequence through a throwaway one.
     logits_BV = model(idx_BT, kv_cache=cache if cache is not None else new_cache(P))[:, -1]
     finished = [False] * B
@@ -174,7 +235,7 @@ def stream(
         if all(finished) or step == max_new_tokens - 1:
             return
         if cache is not None:
-            logits_BV = model(next_B[:, None], kv_cache=cache)[:, -1]
+            logits_BV = step_fn(model, next_B[:, None], cache)
         else:
             idx_BT = torch.cat((idx_BT, next_B[:, None]), dim=1)
             logits_BV = model(idx_BT, kv_cache=new_cache(idx_BT.shape[1]))[:, -1]
@@ -191,12 +252,13 @@ def generate(
     seed: int | None = None,
     stop_token: int | None = None,
     use_cache: bool = True,
+    compile: bool = False,
 ) -> list[list[int]]:
     """New tokens for each prompt (prompt not included), each cut before its stop token."""
     rows: list[list[int]] = [[] for _ in prompts]
     for step in stream(
         model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, stop_token=stop_token, use_cache=use_cache,
+        seed=seed, stop_token=stop_token, use_cache=use_cache, compile=compile,
     ):
         for row, tok in zip(rows, step):
             if tok is not None:

@@ -124,3 +124,14 @@ def test_max_seq_len_and_argument_errors():
         generate(model, [[1], []], 4)
     with pytest.raises(ValueError, match="token ids"):
         generate(model, [[VOCAB]], 4)
+
+
+def test_compiled_decode_equals_eager():
+    """compile=True runs every one-token step through one torch.compile'd graph over a static,
+    masked cache: it must pick the same greedy tokens as the eager path, padded batch included,
+    and a one-token prompt (its prefill is already a decode step)."""
+    model = make_model(2)
+    for prompts in (PROMPTS, [[11]]):
+        assert generate(model, prompts, 40, temperature=0, compile=True) == generate(model, prompts, 40, temperature=0)
+    with pytest.raises(ValueError, match="use_cache"):
+        generate(model, PROMPTS, 4, compile=True, use_cache=False)
