@@ -17,6 +17,7 @@ import argparse
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from data_prep.tokenizer import EOT, VOCAB_FILE, read_tokenizer_meta
@@ -81,7 +82,11 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     export_hf(ckpt.model, ckpt.config, tmp)
-    save_hf_tokenizer(ckpt.tokenizer_dir, tmp, ckpt.config.max_seq_len)
+    try:
+        save_hf_tokenizer(ckpt.tokenizer_dir, tmp, ckpt.config.max_seq_len)
+    except ImportError:  # transformers converts the vocabulary; the weights need only safetensors
+        print("note: transformers is not installed, so no tokenizer.json was written "
+              "(pip install 'lmforge[hf]'); the vocabulary is in lmforge_tokenizer/", file=sys.stderr)
     shutil.copytree(ckpt.tokenizer_dir, tmp / TOKENIZER_COPY)
     marker = {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "model": ckpt.config.to_dict()}
     (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")

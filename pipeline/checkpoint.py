@@ -266,7 +266,8 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     if weights.is_file():
         state = load_file(str(weights))
     else:
-        state = {k: v for k, v in model.state_dict().items()}
+        _check_dcp_shapes(ckpt, model, cfg)
+        state = dict(model.state_dict())
         box = {"model": state}
         with _single_process_ok():
             dcp.load(box, checkpoint_id=str(ckpt), no_dist=True)
@@ -279,15 +280,34 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     )
 
 
+def _misfit(where: Path, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"weights in {where} do not fit the model described by its meta.json ({detail}); "
+        "the checkpoint is corrupt or was assembled from two runs"
+    )
+
+
+def _check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: Path) -> None:
+    wrong = [f"{k}: {tuple(found[k])} vs {tuple(v)}" for k, v in expected.items() if k in found and found[k] != v]
+    if wrong:
+        raise _misfit(where, "shape " + "; ".join(wrong[:2]))
+
+
+def _check_dcp_shapes(ckpt: Path, model: GPT, cfg: ModelConfig) -> None:
+    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    found = {k.removeprefix("model."): v.size for k, v in stored.items()
+             if k.startswith("model.") and hasattr(v, "size")}
+    _check_shapes({k: v.shape for k, v in model.state_dict().items()}, found, ckpt)
+
+
 def _load_strict(model: GPT, state: dict, cfg: ModelConfig, where: Path) -> None:
+    _check_shapes({k: v.shape for k, v in model.state_dict().items()},
+                  {k: v.shape for k, v in state.items()}, where)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied_ok = {"lm_head.weight"} if cfg.tie_embeddings else set()
     missing = [k for k in missing if k not in tied_ok]
     if missing or unexpected:
-        raise CheckpointError(
-            f"weights in {where} do not fit the model in its meta.json "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); the checkpoint is corrupt"
-        )
+        raise _misfit(where, f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
 

@@ -26,7 +26,7 @@ import torch
 from data_prep.errors import DataError
 from data_prep.shards import check_shard, load_manifest, open_shard
 
-IGNORE_INDEX = -100  # targets of padding rows in val_batches; the model's default ignore_index
+IGNORE_INDEX = -100  # targets of eval padding rows (pipeline.evaluate); the model's default
 
 
 class TokenWindows:
@@ -168,29 +168,3 @@ class TrainLoader:
                 f"not match this run's (seed {self.seed}, {self.windows.num_windows} windows); "
                 "resume with the same data.path, data.seq_len and train.seed")
         self._epoch, self._position = int(d["epoch"]), int(d["position"])
-
-
-def val_batches(windows: TokenWindows, num_tokens: int, batch_size: int, rank: int,
-                world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's share of the fixed eval set: the first num_tokens of the split, in whole
-    windows (at least one, at most the split).
-
-    Window j goes to rank j % world_size, so the union over ranks is the same set whatever the
-    world size. Every rank gets the same number of (batch_size, seq_len) batches: short ones are
-    padded with rows whose targets are all IGNORE_INDEX. Equal counts keep FSDP's per-forward
-    collectives in step across ranks, and one shape avoids torch.compile recompiles.
-    """
-    n = min(windows.num_windows, max(1, num_tokens // windows.seq_len))
-    mine = np.arange(rank, n, world_size)
-    per_rank = -(-n // world_size)  # the most any rank gets
-    num_batches = -(-per_rank // batch_size)
-    batches = []
-    for b in range(num_batches):
-        x, y = _split_xy(windows.windows(mine[b * batch_size:(b + 1) * batch_size]))
-        pad = batch_size - len(x)
-        if pad:
-            x = torch.cat([x, torch.zeros(pad, windows.seq_len, dtype=torch.int64)])
-            y = torch.cat([y, torch.full((pad, windows.seq_len), IGNORE_INDEX, dtype=torch.int64)])
-        batches.append((x, y))
-    return batches
-

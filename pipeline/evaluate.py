@@ -16,12 +16,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from data_prep.shards import open_shard
 from pipeline.data import IGNORE_INDEX, TokenWindows
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.parallelize import autocast
@@ -101,18 +99,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _read(windows: TokenWindows, start: int, stop: int) -> np.ndarray:
-    """Stream tokens [start, stop) of the split as int64, across shard boundaries."""
-    out, pos = [], start
-    while pos < stop:
-        k = int(np.searchsorted(windows.starts, pos, side="right")) - 1
-        end = min(stop, int(windows.starts[k + 1]))
-        first = int(windows.starts[k])
-        out.append(open_shard(windows.paths[k])[pos - first:end - first])
-        pos = end
-    return np.concatenate(out).astype(np.int64)
-
-
 def eval_batches(
     windows: TokenWindows, batch_size: int, rank: int, world_size: int,
     max_tokens: int | None = None,
@@ -136,7 +122,7 @@ def eval_batches(
     x_NT = torch.zeros(num_batches * batch_size, T, dtype=torch.int64)
     y_NT = torch.full_like(x_NT, IGNORE_INDEX)
     for row, j in enumerate(mine):
-        tokens = torch.from_numpy(_read(windows, j * T, min(j * T + T, M) + 1))
+        tokens = torch.from_numpy(windows.tokens(j * T, min(j * T + T, M) + 1))
         x_NT[row, :len(tokens) - 1] = tokens[:-1]
         y_NT[row, :len(tokens) - 1] = tokens[1:]
     return list(zip(x_NT.split(batch_size), y_NT.split(batch_size)))

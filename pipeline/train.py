@@ -39,9 +39,9 @@ from pipeline.config import (
     save_resolved,
     to_toml,
 )
-from pipeline.data import TokenWindows, TrainLoader, val_batches
+from pipeline.data import TokenWindows, TrainLoader
 from pipeline.distributed import DistInfo, all_reduce_sum, init_distributed, teardown
-from pipeline.evaluate import evaluate
+from pipeline.evaluate import eval_batches, evaluate
 from pipeline.metrics import (
     MetricsLogger,
     Progress,
@@ -164,8 +164,8 @@ class Trainer:
             cfg.train.seed,
         )
         val_windows = TokenWindows(cfg.data.path, "val", seq_len, self.model_cfg.vocab_size)
-        self.val = val_batches(
-            val_windows, cfg.eval.tokens, cfg.eval.batch_size, info.rank, info.world_size
+        self.val = eval_batches(
+            val_windows, cfg.eval.batch_size, info.rank, info.world_size, cfg.eval.tokens
         )
 
         self.model, self.trained = build_model(self.model_cfg, cfg, info)

@@ -11,7 +11,7 @@ import torch
 
 from data_prep.errors import DataError
 from data_prep.shards import FORMAT_VERSION, Manifest, ShardInfo, shard_name, write_shard
-from pipeline.data import IGNORE_INDEX, TokenWindows, TrainLoader, val_batches
+from pipeline.data import TokenWindows, TrainLoader
 
 VOCAB = 100_000  # above every position, so token ids can equal positions
 SEQ = 8
@@ -147,21 +147,3 @@ def test_corrupt_shard_is_caught(data):
     shard.write_bytes(shard.read_bytes()[:-4])
     with pytest.raises(DataError, match="bytes"):
         TokenWindows(data, "train", SEQ, VOCAB)
-
-
-@pytest.mark.parametrize("num_tokens,expected", [(40, 5), (1, 1), (10_000, 10)])
-def test_val_set_same_union_for_any_world(data, num_tokens, expected):
-    sets = []
-    for world in (1, 2, 3):
-        per_rank = [val_batches(TokenWindows(data, "val", SEQ, VOCAB), num_tokens, 2, r, world)
-                    for r in range(world)]
-        assert len({len(b) for b in per_rank}) == 1  # same batch count on every rank
-        windows = []
-        for batches in per_rank:
-            for x, y in batches:
-                assert x.shape == y.shape == (2, SEQ)
-                real = (y != IGNORE_INDEX).all(1)
-                assert ((y == IGNORE_INDEX).all(1) | real).all()  # rows are whole or padding
-                windows += ids((x[real], y[real]))
-        sets.append(sorted(windows))
-    assert sets[0] == sets[1] == sets[2] == list(range(expected))  # the first windows of val

@@ -17,7 +17,7 @@ from launch.export import EXPORT_MARKER
 from launch.sample import decode_stream
 from model import GPT, ModelConfig
 from pipeline.checkpoint import save_consolidated
-from pipeline.data import IGNORE_INDEX, TokenWindows, val_batches
+from pipeline.data import IGNORE_INDEX, TokenWindows
 from pipeline.evaluate import eval_batches
 
 SEQ_LEN = 32
@@ -86,18 +86,6 @@ def test_eval_windows_tile_every_target_once(tiny_data, max_tokens, world):
     # As a multiset the (input, target) pairs are exactly the split's next-token pairs 1..M.
     expected = list(zip(stream[:M].tolist(), stream[1:M + 1].tolist()))
     assert sorted(pairs) == sorted(expected)
-
-
-def test_eval_windows_are_training_val_windows(tiny_data):
-    """With eval.tokens a multiple of seq_len, training's val set and `lmforge eval --max-tokens`
-    are the same tensors (so the same losses)."""
-    windows = TokenWindows(tiny_data, "val", SEQ_LEN, None)
-    for rank, world in [(0, 1), (0, 2), (1, 2)]:
-        ours = eval_batches(windows, 3, rank, world, 5 * SEQ_LEN)
-        theirs = val_batches(windows, 5 * SEQ_LEN, 3, rank, world)
-        assert len(ours) == len(theirs)
-        for (x, y), (tx, ty) in zip(ours, theirs):
-            assert torch.equal(x, tx) and torch.equal(y, ty)
 
 
 # --------------------------------------------------------------------------------------------

@@ -142,3 +142,14 @@ def test_corrupted_shard_is_caught_by_the_training_loader(tiny_data, tmp_path):
     trainer = Trainer(cfg_for(data, tmp_path / "r"), CPU)
     with pytest.raises(DataError, match="train_000000.bin fails its sha256"):
         trainer.train_step()
+
+
+def test_step_checkpoint_whose_weights_do_not_fit_is_one_clear_error(tiny_data, tmp_path):
+    run_dir = tmp_path / "r"
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "2"), CPU).fit()
+    step = run_dir / "checkpoints" / "step_00000002"
+    meta = json.loads((step / "meta.json").read_text())
+    meta["model"]["d_model"] = 128
+    (step / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="do not fit.*shape"):
+        ckpt.load_for_inference(step)
