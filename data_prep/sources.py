@@ -23,6 +23,7 @@ import gzip
 import io
 import json
 import lzma
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -176,7 +177,12 @@ def pystdlib_files() -> list[Path]:
     """The standard library's .py files, sorted by path relative to the stdlib root."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = [p for p in root.rglob("*.py") if skip.isdisjoint(p.relative_to(root).parts)]
+    files = []
+    # os.walk with pruning: site-packages often lives under the stdlib root and can hold ten
+    # times more files than the stdlib itself.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -244,12 +244,14 @@ class Trainer:
             self.sampler = GPT(self.model_cfg).to(self.info.device)
         self.sampler.load_state_dict(state, strict=False)
         sc = self.cfg.sample
-        prompts = [self.tokenizer.encode_ordinary(p) for p in sc.prompts]
+        # Documents start with end-of-text in the shards, so prompts do too (as lmforge sample).
+        eot = eot_id(self.tokenizer)
+        prompts = [[eot, *self.tokenizer.encode_ordinary(p)] for p in sc.prompts]
         max_new = min(sc.max_new_tokens, self.model_cfg.max_seq_len - max(len(p) for p in prompts))
         with autocast(self.info.device, self.bf16):
             outs = generate(
                 self.sampler, prompts, max_new, temperature=sc.temperature, top_k=sc.top_k or None,
-                top_p=sc.top_p, seed=self.cfg.train.seed, stop_token=eot_id(self.tokenizer),
+                top_p=sc.top_p, seed=self.cfg.train.seed, stop_token=eot,
             )
         return [p + self.tokenizer.decode(o) for p, o in zip(sc.prompts, outs, strict=True)]
 
