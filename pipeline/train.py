@@ -376,7 +376,8 @@ def cli_main(argv: list[str]) -> int:
     if args.nproc <= 1:
         return main(rest)
     parsed, overrides = parse_args(rest)
-    load_config(parsed.config, overrides)  # config mistakes: one line here, not one per rank
+    # Config and data mistakes: one line here, not one per rank under a torchrun traceback.
+    load_manifest(load_config(parsed.config, overrides).data.path)
     torchrun = shutil.which("torchrun") or sys.executable
     prefix = [torchrun] if torchrun != sys.executable else [sys.executable, "-m", "torch.distributed.run"]
     cmd = prefix + ["--standalone", f"--nproc_per_node={args.nproc}", "-m", "pipeline.train", *rest]
