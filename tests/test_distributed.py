@@ -176,3 +176,16 @@ def test_config_typo_is_one_line_before_any_rank_starts():
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stdout
     assert "train.max_step" in lines[0] and "did you mean 'train.max_steps'" in lines[0]
+
+
+def test_fsdp_bf16_mixed_precision_tracks_ddp_autocast(tiny_data, tmp_path):
+    """bf16 compute both ways: FSDP2 casts parameters (MixedPrecisionPolicy, fp32 reduction),
+    DDP runs under autocast; rounding differs, so the curves agree to bf16 precision only."""
+    curves = {}
+    for parallel in ("ddp", "fsdp"):
+        out = tmp_path / parallel
+        train(args_for(tiny_data, out, "--train.parallel", parallel, "--train.dtype", "bf16",
+                       "--train.max_steps", "12", "--checkpoint.every", "0"), nproc=2)
+        curves[parallel] = losses(out)
+    assert curves["fsdp"][12] < curves["fsdp"][1] - 0.5  # it learns
+    assert_close(curves["fsdp"], curves["ddp"], 5e-2)
