@@ -20,7 +20,9 @@ from pipeline.distributed import DistInfo
 
 
 def resolve_parallel(requested: str, info: DistInfo) -> str:
-    if requested == "auto":
+    """auto: DDP when there are several processes. A GPU preset (ddp/fsdp) started as one plain
+    process has nothing to replicate or shard across, so it runs as none rather than failing."""
+    if requested == "auto" or not info.is_distributed:
         return "ddp" if info.is_distributed else "none"
     return requested
 

@@ -153,3 +153,10 @@ def test_step_checkpoint_whose_weights_do_not_fit_is_one_clear_error(tiny_data, 
     (step / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="do not fit.*shape"):
         ckpt.load_for_inference(step)
+
+
+def test_ddp_or_fsdp_preset_runs_as_one_plain_process(tiny_data, tmp_path):
+    for parallel in ("ddp", "fsdp"):
+        Trainer(cfg_for(tiny_data, tmp_path / parallel, "--train.parallel", parallel,
+                        "--train.max_steps", "2"), CPU).fit()
+        assert sorted(losses(tmp_path / parallel)) == [1, 2]
