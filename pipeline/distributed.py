@@ -63,12 +63,3 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.is_distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
-
-
-def broadcast_object(obj, info: DistInfo):
-    """Rank 0's value of a picklable object, on every rank."""
-    if not info.is_distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeline.data import IGNORE_INDEX, TokenWindows
@@ -37,14 +36,6 @@ class EvalResult:
         return asdict(self)
 
 
-def _max_over_ranks(n: int, info: DistInfo) -> int:
-    if not info.is_distributed:
-        return n
-    t = torch.tensor([n], dtype=torch.int64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -56,25 +47,22 @@ def evaluate(
 ) -> EvalResult:
     """Sum of token losses, token count and byte count over this rank's batches, reduced over
     ranks. `token_bytes[id]` is the UTF-8 length of token `id` (0 for special tokens); targets
-    equal to IGNORE_INDEX are not counted."""
+    equal to IGNORE_INDEX are not counted.
+
+    Every rank must pass the same number of batches (FSDP runs each forward on all ranks):
+    `eval_batches` pads with IGNORE_INDEX rows to guarantee it."""
     was_training = model.training
     model.eval()
-    batches = list(batches)
-    # FSDP needs every rank in every forward: ranks with fewer batches run throw-away ones.
-    n_calls = _max_over_ranks(len(batches), info)
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
     token_bytes = token_bytes.to(info.device)
-    for i in range(n_calls):
-        real = i < len(batches)
-        x_BT, y_BT = batches[i] if real else batches[0] if batches else _dummy(info)
+    for x_BT, y_BT in batches:
         x_BT, y_BT = x_BT.to(info.device), y_BT.to(info.device)
         with autocast(info.device, bf16):
             loss_sum = model(x_BT, y_BT, reduction="sum")
-        if real:
-            valid_BT = y_BT != IGNORE_INDEX  # padding rows keep every rank's batch count equal
-            sums[0] += loss_sum.double()
-            sums[1] += valid_BT.sum()
-            sums[2] += (token_bytes[y_BT.clamp(min=0)] * valid_BT).sum().double()
+        valid_BT = y_BT != IGNORE_INDEX
+        sums[0] += loss_sum.double()
+        sums[1] += valid_BT.sum()
+        sums[2] += (token_bytes[y_BT.clamp(min=0)] * valid_BT).sum().double()
     all_reduce_sum(sums, info)
     model.train(was_training)
     loss_sum, n_tokens, n_bytes = sums.tolist()
@@ -88,11 +76,6 @@ def evaluate(
         tokens=int(n_tokens),
         bytes=int(n_bytes),
     )
-
-
-def _dummy(info: DistInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    zeros = torch.zeros(1, 1, dtype=torch.int64)
-    return zeros, zeros
 
 
 def _ceil_div(a: int, b: int) -> int:
