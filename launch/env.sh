@@ -1,4 +1,4 @@
-# Sourced by launch/demo.sh and launch/test.sh: creates ./.venv on first use, then activates it.
+# Sourced by launch/demo.sh and launch/test.sh (LMFORGE_EXTRAS=test): creates ./.venv on first use, then activates it.
 # torch is installed first and pinned so that pip resolves the rest against it instead of
 # pulling a newer (multi-GB CUDA) build; set LMFORGE_TORCH to choose another, e.g.
 #   LMFORGE_TORCH="torch --index-url https://download.pytorch.org/whl/cu128" bash launch/demo.sh
@@ -6,7 +6,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${LMFORGE_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
-EXTRAS="${1:-}"
+# Optional extras come from the caller (LMFORGE_EXTRAS=test), never from "$@": a sourced file
+# sees the calling script's own arguments there.
+EXTRAS="${LMFORGE_EXTRAS:-}"
 stamp="$VENV/.lmforge-installed${EXTRAS:+-$EXTRAS}"
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[lmforge] creating virtual environment in $VENV" >&2

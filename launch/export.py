@@ -98,7 +98,8 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = export(args.ckpt, args.hf)
-    print(f"exported to {out}: config.json, model.safetensors, tokenizer.json "
+    files = ["config.json", "model.safetensors"] + ["tokenizer.json"] * (out / "tokenizer.json").is_file()
+    print(f"exported to {out}: {', '.join(files)} "
           f"(+ {TOKENIZER_COPY}/, the exact tiktoken vocabulary)")
     print(f"load it: AutoModelForCausalLM.from_pretrained({str(out)!r}), "
           f"AutoTokenizer.from_pretrained({str(out)!r})")
