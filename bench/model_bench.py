@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import GPT, ModelConfig, generate  # noqa: E402
+from model import GPT, ModelConfig, SamplingParams, generate  # noqa: E402
 from model.hf import export_hf  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, d_model=256, max_seq_len=1024)
@@ -116,9 +116,11 @@ def bench_decode(ours, ref, rounds: int, compile: bool) -> tuple[dict[str, list[
         compile_config._compile_all_devices = True
         ref_kwargs = dict(cache_implementation="static", compile_config=compile_config)
 
+    greedy = SamplingParams(max_new_tokens=DECODE_NEW, temperature=0)
+
     def run_ours() -> float:
         def call():
-            out["ours"] = generate(ours, prompt.tolist(), DECODE_NEW, temperature=0, compile=compile)[0]
+            out["ours"] = generate(ours, prompt.tolist(), greedy, compile=compile)[0]
 
         return DECODE_NEW / timed(call)
 
@@ -141,10 +143,11 @@ def bench_decode(ours, ref, rounds: int, compile: bool) -> tuple[dict[str, list[
 
 def bench_cache(ours, rounds: int) -> dict[str, float]:
     prompt = torch.randint(0, ours.cfg.vocab_size, (1, CACHE_CONTEXT)).tolist()
+    greedy = SamplingParams(max_new_tokens=CACHE_NEW, temperature=0)
 
     def run(use_cache: bool) -> Callable[[], float]:
         return lambda: CACHE_NEW / timed(
-            lambda: generate(ours, prompt, CACHE_NEW, temperature=0, use_cache=use_cache)
+            lambda: generate(ours, prompt, greedy, use_cache=use_cache)
         )
 
     return interleaved({"cache": run(True), "no cache": run(False)}, rounds)

@@ -1,4 +1,4 @@
-"""Benchmark `lmforge prepare` (as `python -m data_prep`) on builtin:pystdlib.
+"""Benchmark `lmforge prepare` (launch.prepare.main in a child process) on builtin:pystdlib.
 
 1. Throughput: tokens/s of a full prepare (subprocess: startup, reading, hashing, encoding,
    writing, checksums) against the upper bound measured in this same run -- tiktoken's
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2 = ROOT.parent / "shared/tokenizers/gpt2.tiktoken"
 
 # Runs prepare in a child and prints its own peak RSS (ru_maxrss is KiB on Linux).
-CHILD = ("import resource, sys; from data_prep.cli import main; rc = main(sys.argv[1:]); "
+CHILD = ("import resource, sys; from launch.prepare import main; rc = main(sys.argv[1:]); "
          "print('RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
 
 

@@ -1,6 +1,6 @@
-"""Where documents come from. `open_source(spec, ...)` returns a Source: an iterator of document
-strings in a fixed, deterministic order, read in a streaming way (memory does not grow with the
-corpus, except for a `.json` file holding one JSON array, which is loaded whole).
+"""Where documents come from. `Source(spec, ...)` is an iterable of document strings in a fixed,
+deterministic order, read in a streaming way (memory does not grow with the corpus, except for a
+`.json` file holding one JSON array, which is loaded whole).
 
 Source specs:
 - `builtin:pystdlib` -- every .py file of the running Python's standard library, sorted by path,

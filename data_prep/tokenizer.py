@@ -120,6 +120,12 @@ def eot_id(enc: tiktoken.Encoding) -> int:
         raise DataError(f"tokenizer {enc.name!r} has no {EOT} token; use one that does") from None
 
 
+def encode_prompt(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """`text` as the beginning of a document: every document in the shards starts with
+    end-of-text, so a prompt does too (what the trainer's samples and `lmforge sample` feed)."""
+    return [eot_id(enc), *enc.encode_ordinary(text)]
+
+
 def mergeable_ranks(enc: tiktoken.Encoding) -> dict[bytes, int]:
     """The byte-level ranks of `enc` (every id that is not a special token and not a gap)."""
     special = set(enc._special_tokens.values())
@@ -206,9 +212,26 @@ def train_bpe(texts: Iterable[str], vocab_size: int, name: str) -> tiktoken.Enco
     """
     import rustbpe
 
-    if not 257 < vocab_size <= 2**20:
-        raise DataError(f"bpe:{vocab_size} is out of range; use bpe:N with 258 <= N <= {2**20}")
+    _check_bpe_size(vocab_size)
     tok = rustbpe.Tokenizer()
     tok.train_from_iterator(iter(texts), vocab_size - 1, pattern=CL100K_PATTERN)
     ranks = {bytes(b): r for b, r in tok.get_mergeable_ranks()}
     return _encoding(name, CL100K_PATTERN, ranks, {EOT: len(ranks)})
+
+
+def bpe_size(spec: str) -> int | None:
+    """N of a `bpe:N` tokenizer spec, None for any other spec; DataError for a bad N."""
+    if not spec.startswith("bpe:"):
+        return None
+    try:
+        n = int(spec[4:])
+    except ValueError:
+        raise DataError(f"bad tokenizer {spec!r}; write bpe:N, e.g. bpe:4096") from None
+    _check_bpe_size(n)
+    return n
+
+
+def _check_bpe_size(n: int) -> None:
+    # 256 byte tokens + at least one merge + <|endoftext|>; 2**20 ids is far past any use here.
+    if not 257 < n <= 2**20:
+        raise DataError(f"bpe:{n} is out of range; use bpe:N with 258 <= N <= {2**20}")

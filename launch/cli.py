@@ -1,12 +1,13 @@
 """`lmforge` — one command, one subcommand per thing a user does.
 
-    lmforge prepare  corpus -> tokenized shards        (data_prep)
-    lmforge inspect  summary + decoded sample of shards (data_prep)
+    lmforge prepare  corpus -> tokenized shards        (launch.prepare, data_prep)
+    lmforge inspect  summary + decoded sample of shards (launch.prepare)
     lmforge train    train a model, torchrun on request (pipeline)
     lmforge eval     perplexity / bits-per-byte         (launch.evaluate)
     lmforge sample   generate text from a checkpoint    (launch.sample)
     lmforge export   Hugging Face Llama format          (launch.export)
     lmforge demo     the whole pipeline, offline        (launch.demo)
+    lmforge env      what this machine is and can do    (launch.envinfo)
 
 Each subcommand lives in its own module with a `main(argv) -> int`; importing them lazily keeps
 `lmforge --help` instant. User mistakes raise one of USER_ERRORS and become one `error:` line
@@ -15,18 +16,30 @@ and exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
 SUBCOMMANDS = {
-    "prepare": ("data_prep.cli", "main", "tokenize a corpus into shards"),
-    "inspect": ("data_prep.cli", "inspect_main", "summarise shards and decode a sample"),
+    "prepare": ("launch.prepare", "main", "tokenize a corpus into shards"),
+    "inspect": ("launch.prepare", "inspect_main", "summarise shards and decode a sample"),
     "train": ("pipeline.train", "cli_main", "train (use --nproc N to start torchrun)"),
     "eval": ("launch.evaluate", "main", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("launch.sample", "main", "generate text from a checkpoint"),
     "export": ("launch.export", "main", "export a checkpoint to the Hugging Face Llama format"),
     "demo": ("launch.demo", "main", "prepare -> train -> eval -> sample on the built-in corpus"),
+    "env": ("launch.envinfo", "main", "this machine: torch build, devices, dtype auto picks, peak"),
 }
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes (a missing flag, a bad number or choice) are one `error:` line and
+    exit status 2 through `run_user_command`, like every other user error, not a usage block."""
+
+    def error(self, message: str):
+        from pipeline.typed_config import ConfigError
+
+        raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

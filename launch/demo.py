@@ -5,8 +5,12 @@
     eval     perplexity and bits per byte on the whole val split
     sample   a continuation of "def "
 
+Training gets a time budget (`--minutes`, default 5): its first steps are timed and the run is
+sized to fit (at most the preset's 200 steps), so the demo, set-up included, ends within ~10
+minutes on any 2-core machine; the chosen length is written to RUN/config.toml.
 Stages that already finished are reused: prepare is a no-op on a prepared directory, and training
-is skipped when RUN/final exists (an interrupted run resumes from its newest checkpoint).
+is skipped when RUN/final exists (an interrupted run resumes from its newest checkpoint, to the
+length it chose at its start).
 `--quick` runs every stage on a slice with a smaller model in about a minute: a smoke test whose
 numbers mean nothing.
 """
@@ -14,18 +18,23 @@ numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from data_prep.cli import summary
 from data_prep.prepare import PrepareConfig, prepare
-from data_prep.tokenizer import load_tokenizer_dir
+from data_prep.tokenizer import encode_prompt, load_tokenizer_dir
 from launch.evaluate import evaluate_checkpoint, report
-from launch.sample import encode_prompt, write_sample
+from launch.prepare import summary
+from launch.sample import write_sample
+from model import SamplingParams
 from pipeline.checkpoint import CheckpointError, load_for_inference
+from pipeline.config import ConfigError, JobConfig, load_config
 from pipeline.distributed import init_distributed
+from pipeline.hardware import dtype_name, resolve_dtype
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "
@@ -44,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/demo"),
                    help="where the data and the run go (default: runs/demo)")
     p.add_argument("--nproc", type=int, default=1, help="training processes (torchrun when > 1)")
+    p.add_argument("--minutes", type=float, default=5.0,
+                   help="training time budget: the run is sized to fit it, at most the preset's "
+                        "200 steps (default 5; 0 = the full preset however long it takes)")
     p.add_argument("--quick", action="store_true", help="a one-minute smoke run of every stage")
     return p
 
@@ -66,8 +78,20 @@ def run_training(data: Path, run: Path, nproc: int, overrides: list[str]) -> Non
                               f"{run / 'train.log'}); fix that, then re-run the demo to resume")
 
 
+def training_summary(cfg: JobConfig, run: Path, step: int, dtype: str) -> str:
+    """What the run reached: steps, tokens, measured throughput (median over logged steps, the
+    first excluded: it pays for warm-up) and the dtype it computed in."""
+    rates = [r["tokens_per_s"] for r in map(json.loads, (run / "metrics.jsonl").open())
+             if r.get("step", 0) > 1 and "tokens_per_s" in r]
+    rate = f"{statistics.median(rates):,.0f} tokens/s" if rates else "throughput not logged"
+    return (f"trained     {step} of at most {cfg.train.max_steps} steps, "
+            f"{step * cfg.train.global_batch_tokens:,} tokens, {rate}, {dtype}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.minutes < 0:
+        raise ConfigError(f"--minutes {args.minutes:g}: expected minutes >= 0 (0 = no budget)")
     plan = QUICK if args.quick else FULL
     data = args.out / ("data_quick" if args.quick else "data")
     run = args.out / ("run_quick" if args.quick else "run")
@@ -79,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(manifest))
 
     banner(2, f"train {CONFIG.name} -> {run}")
-    run_training(data, run, args.nproc, plan["train"])
+    budget = ["--train.time_budget_s", str(args.minutes * 60)] if args.minutes and not args.quick else []
+    run_training(data, run, args.nproc, plan["train"] + budget)
 
     banner(3, "evaluate on the whole val split")
     info = init_distributed("auto")
@@ -89,16 +114,19 @@ def main(argv: list[str] | None = None) -> int:
 
     banner(4, f"sample from {ckpt.path}")
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
-    ids = encode_prompt(enc, PROMPT, ckpt.config.max_seq_len)
+    ids = encode_prompt(enc, PROMPT)
+    sampling = SamplingParams(max_new_tokens=120, seed=0).fit(len(ids), ckpt.config.max_seq_len)
     sys.stdout.write(PROMPT)
-    write_sample(ckpt, enc, ids, min(120, ckpt.config.max_seq_len - len(ids)), sys.stdout,
-                 temperature=0.8, top_k=50, top_p=None, seed=0)
+    run_cfg = load_config(str(run / "config.toml"))  # as resolved: the length the budget chose
+    dtype = resolve_dtype(run_cfg.train.dtype, info.device)  # the rule training applied
+    write_sample(ckpt, enc, ids, sampling, sys.stdout, dtype)
 
     print(f"""
 === done in {time.perf_counter() - t0:.0f} s
 shards      {data}  (manifest.json, tokenizer/)
 run         {run}  (config.toml, train.log)
 checkpoint  {ckpt.path}  (step {ckpt.step})
+{training_summary(run_cfg, run, ckpt.step, dtype_name(dtype))}
 metrics     {run / 'metrics.jsonl'}
 loss plot   {run / 'loss.png'}
 val perplexity {result.perplexity:.2f} (loss {result.loss:.4f}, {result.bits_per_byte:.3f} bits/byte, {result.tokens:,} tokens)

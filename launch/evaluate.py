@@ -21,15 +21,20 @@ import torch
 from data_prep.errors import DataError
 from data_prep.shards import SPLITS, load_manifest
 from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_byte_lengths
+from launch.cli import ArgumentParser
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo, init_distributed, teardown
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
+from pipeline.hardware import resolve_dtype
+from pipeline.typed_config import number
+
+MAX_BATCH = 1 << 16  # windows per forward; eval pads every batch to this many rows
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="lmforge eval",
         description="Loss, perplexity and bits per byte of a checkpoint on a prepared split. "
                     "Runs under torchrun too (the ranks split the tokens).")
@@ -37,15 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directory (newest checkpoint), checkpoints/step_* or final/")
     p.add_argument("--data", required=True, type=Path, help="dataset prepared by lmforge prepare")
     p.add_argument("--split", default="val", choices=SPLITS)
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--max-tokens", type=number(int, 1), default=None,
                    help="evaluate only the first N target tokens (default: the whole split)")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=number(int, 1, MAX_BATCH), default=None,
                    help="windows per forward (default: the run's eval.batch_size)")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--seq-len", type=number(int, 1), default=None,
                    help="window length (default: the run's data.seq_len)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write the results to FILE as JSON")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute dtype (auto: bf16 where the hardware is fast at it, as training)")
     return p
 
 
@@ -60,27 +67,25 @@ def check_same_tokenizer(data_dir: Path, tokenizer_dir: Path) -> None:
             f"the data with the checkpoint's tokenizer: lmforge prepare --tokenizer {tokenizer_dir} ...")
 
 
-def run_setting(ckpt: LoadedCheckpoint, key: str, override: int | None, fallback: int) -> int:
+def run_setting(flag: str, override: int | None, from_run: int) -> int:
     """An eval setting: the command line, else the run's config (so the defaults reproduce
-    training's val eval), else `fallback` (a checkpoint without a run config)."""
-    if override is not None:
-        value = override
-    else:
-        section, name = key.split(".")
-        value = ckpt.meta.get("config", {}).get(section, {}).get(name, fallback)
+    training's val eval)."""
+    value = from_run if override is None else override
     if value < 1:
-        raise ConfigError(f"{key} must be >= 1, got {value}")
+        raise ConfigError(f"{flag} must be >= 1, got {value}")
     return int(value)
 
 
 def evaluate_checkpoint(
     ckpt: LoadedCheckpoint, data_dir: Path, info: DistInfo, *, split: str = "val",
     max_tokens: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
+    dtype: str = "auto",
 ) -> tuple[EvalResult, int]:
     """(result, seq_len used): collective under torchrun, every rank calls it."""
     check_same_tokenizer(data_dir, ckpt.tokenizer_dir)
-    seq_len = run_setting(ckpt, "data.seq_len", seq_len, ckpt.config.max_seq_len)
-    batch_size = run_setting(ckpt, "eval.batch_size", batch_size, 8)
+    run_cfg = ckpt.meta.config
+    seq_len = run_setting("--seq-len", seq_len, run_cfg.data.seq_len)
+    batch_size = run_setting("--batch-size", batch_size, run_cfg.eval.batch_size)
     if seq_len > ckpt.config.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's context of "
                           f"{ckpt.config.max_seq_len} tokens; pass --seq-len {ckpt.config.max_seq_len} or less")
@@ -89,7 +94,8 @@ def evaluate_checkpoint(
     windows = TokenWindows(data_dir, split, seq_len, ckpt.config.vocab_size)
     batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
-    return evaluate(ckpt.model, batches, token_bytes, info), seq_len
+    bf16 = resolve_dtype(dtype, info.device) == torch.bfloat16
+    return evaluate(ckpt.model, batches, token_bytes, info, bf16=bf16), seq_len
 
 
 def report(result: EvalResult) -> str:
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = load_for_inference(args.ckpt, info.device)
         result, seq_len = evaluate_checkpoint(
             ckpt, args.data, info, split=args.split, max_tokens=args.max_tokens,
-            batch_size=args.batch_size, seq_len=args.seq_len)
+            batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype)
     finally:
         teardown()
     if not info.is_main:

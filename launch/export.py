@@ -4,7 +4,8 @@
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
                m = AutoModelForCausalLM.from_pretrained('out/tiny-hf'); t = T.from_pretrained('out/tiny-hf')"
 
-OUT holds config.json + model.safetensors (model.hf.export_hf), the tokenizer as a `tokenizers`
+OUT holds config.json + generation_config.json + model.safetensors (model.hf.export_hf; eos =
+bos = the end-of-text id), the tokenizer as a `tokenizers`
 tokenizer.json + tokenizer_config.json (converted from the tiktoken vocabulary by transformers'
 TikTokenConverter; `<|endoftext|>` is the eos token), and lmforge_tokenizer/, the original
 tiktoken vocabulary, exact. OUT is written beside itself and renamed into place, and only a
@@ -20,7 +21,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from data_prep.tokenizer import EOT, VOCAB_FILE, read_tokenizer_meta
+from data_prep.tokenizer import EOT, VOCAB_FILE, eot_id, load_tokenizer_dir, read_tokenizer_meta
+from launch.cli import ArgumentParser
 from model.hf import export_hf
 from pipeline.checkpoint import load_for_inference
 from pipeline.config import ConfigError
@@ -30,7 +32,7 @@ TOKENIZER_COPY = "lmforge_tokenizer"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge export",
+    p = ArgumentParser(prog="lmforge export",
                                 description="Export a checkpoint to the Hugging Face Llama format.")
     p.add_argument("--ckpt", required=True,
                    help="run directory (newest checkpoint), checkpoints/step_* or final/")
@@ -57,13 +59,17 @@ def hf_pattern(pattern: str) -> str:
 
 def save_hf_tokenizer(tokenizer_dir: Path, out: Path, context: int) -> None:
     """tokenizer.json + tokenizer_config.json for AutoTokenizer, with the same ids as tiktoken."""
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     meta = read_tokenizer_meta(tokenizer_dir)
     special = meta["special_tokens"]
-    tok = TikTokenConverter(vocab_file=str(tokenizer_dir / VOCAB_FILE), pattern=hf_pattern(meta["pattern"]),
-                            extra_special_tokens=special).converted()
+    tok = TikTokenConverter(vocab_file=str(tokenizer_dir / VOCAB_FILE),
+                            pattern=hf_pattern(meta["pattern"])).converted()
+    # Added here rather than through the converter, whose argument for them was renamed in
+    # transformers 5 (additional_special_tokens -> extra_special_tokens).
+    tok.add_special_tokens([AddedToken(name, normalized=False, special=True) for name in special])
     # The converter appends the special tokens after the vocabulary; a vocabulary with unused ids
     # before them (cl100k) would get other ids than tiktoken's, so refuse rather than mis-encode.
     wrong = {name: i for name, i in special.items() if tok.token_to_id(name) != i}
@@ -73,6 +79,11 @@ def save_hf_tokenizer(tokenizer_dir: Path, out: Path, context: int) -> None:
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, bos_token=EOT,
                                  unk_token=None, model_max_length=context, clean_up_tokenization_spaces=False)
     hf.save_pretrained(out)
+    # transformers 5 names its class TokenizersBackend, unknown to 4.x; the 4.x name loads in both.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def export(ckpt_path: str | Path, out: Path) -> Path:
@@ -81,7 +92,8 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
     ckpt = load_for_inference(ckpt_path, "cpu")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    export_hf(ckpt.model, ckpt.config, tmp)
+    eot = eot_id(load_tokenizer_dir(ckpt.tokenizer_dir))
+    export_hf(ckpt.model, ckpt.config, tmp, eos_token_id=eot)
     try:
         save_hf_tokenizer(ckpt.tokenizer_dir, tmp, ckpt.config.max_seq_len)
     except ImportError:  # transformers converts the vocabulary; the weights need only safetensors
@@ -98,7 +110,7 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = export(args.ckpt, args.hf)
-    files = ["config.json", "model.safetensors"] + ["tokenizer.json"] * (out / "tokenizer.json").is_file()
+    files = ["config.json", "generation_config.json", "model.safetensors"] + ["tokenizer.json"] * (out / "tokenizer.json").is_file()
     print(f"exported to {out}: {', '.join(files)} "
           f"(+ {TOKENIZER_COPY}/, the exact tiktoken vocabulary)")
     print(f"load it: AutoModelForCausalLM.from_pretrained({str(out)!r}), "

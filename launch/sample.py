@@ -15,16 +15,20 @@ import codecs
 import random
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
 import tiktoken
+import torch
 
-from data_prep.tokenizer import eot_id, load_tokenizer_dir
-from model import stream
+from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir
+from model import SamplingError, SamplingParams, stream
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.distributed import pick_device
+from pipeline.hardware import resolve_dtype
+from pipeline.parallelize import autocast
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,31 +41,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="at most this many tokens per sample (clamped to the model's context)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 = no top-k filter")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    p.add_argument("--temperature", type=float, default=SamplingParams.temperature,
+                   help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0 = no top-k filter")
+    p.add_argument("--top-p", type=float, default=SamplingParams.top_p,
+                   help="nucleus sampling threshold in (0, 1] (default: off)")
     p.add_argument("--seed", type=int, default=None,
                    help="sample i uses seed + i (default: a random seed, printed to stderr)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute dtype (auto: bf16 where the hardware is fast at it, as training)")
     return p
 
 
-def encode_prompt(enc: tiktoken.Encoding, text: str, context: int) -> list[int]:
-    ids = [eot_id(enc), *enc.encode_ordinary(text)]
-    if len(ids) >= context:
-        raise ConfigError(f"the prompt is {len(ids)} tokens (with the leading end-of-text token), "
-                          f"the model's context is {context}; shorten it to at most {context - 2} tokens")
-    return ids
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """Every numeric option checked before any work, each error naming its option."""
+    if args.num_samples < 1:
+        raise ConfigError(
+            f"bad value for --num-samples: {args.num_samples} (expected an integer >= 1)")
+    try:
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed)
+        if args.seed is not None:  # sample i uses seed + i: the last one must be a seed too
+            replace(sampling, seed=args.seed + args.num_samples - 1)
+        return sampling
+    except SamplingError as e:  # each field has the name of its option's argparse dest
+        option, value = "--" + e.field.replace("_", "-"), getattr(args, e.field)
+        note = "; sample i uses seed + i" if e.field == "seed" else ""
+        raise ConfigError(f"bad value for {option}: {value!r} (expected {e.expected}{note})") from None
 
 
-def clamp_new_tokens(requested: int, prompt_len: int, context: int) -> int:
-    if requested < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {requested}")
-    room = context - prompt_len
-    if requested > room:
-        print(f"note: --max-new-tokens {requested} clamped to {room}: the prompt's {prompt_len} "
-              f"tokens leave {room} of the model's {context}-token context", file=sys.stderr)
-    return min(requested, room)
+def fit_to_context(sampling: SamplingParams, prompt_len: int, context: int) -> SamplingParams:
+    """--max-new-tokens cut to what the prompt leaves of the model's context, with a note."""
+    try:
+        fitted = sampling.fit(prompt_len, context)
+    except ValueError as e:
+        raise ConfigError(f"the prompt (with the end-of-text token every prompt starts with): "
+                          f"{e}") from None
+    if fitted.max_new_tokens < sampling.max_new_tokens:
+        print(f"note: --max-new-tokens {sampling.max_new_tokens} clamped to "
+              f"{fitted.max_new_tokens}: the prompt's {prompt_len} tokens leave "
+              f"{fitted.max_new_tokens} of the model's {context}-token context", file=sys.stderr)
+    return fitted
 
 
 def decode_stream(enc: tiktoken.Encoding, tokens: Iterable[int]) -> Iterator[str]:
@@ -75,27 +97,18 @@ def decode_stream(enc: tiktoken.Encoding, tokens: Iterable[int]) -> Iterator[str
 
 
 def write_sample(ckpt: LoadedCheckpoint, enc: tiktoken.Encoding, prompt_ids: list[int],
-                 max_new_tokens: int, out: TextIO, *, temperature: float, top_k: int | None,
-                 top_p: float | None, seed: int) -> None:
+                 sampling: SamplingParams, out: TextIO,
+                 dtype: torch.dtype = torch.float32) -> None:
     """Write the continuation to `out` as it is generated, up to the end-of-text token."""
-    steps = stream(ckpt.model, [prompt_ids], max_new_tokens, temperature=temperature,
-                   top_k=top_k, top_p=top_p, seed=seed, stop_token=eot_id(enc))
+    device = next(ckpt.model.parameters()).device
+    steps = stream(ckpt.model, [prompt_ids], sampling, stop_token=eot_id(enc))
     tokens = (token for (token,) in steps if token is not None)
-    for text in decode_stream(enc, tokens):
-        out.write(text)
-        out.flush()
+    # The generator runs the model lazily, so autocast must cover the whole iteration.
+    with autocast(device, dtype == torch.bfloat16):
+        for text in decode_stream(enc, tokens):
+            out.write(text)
+            out.flush()
     out.write("\n")
-
-
-def check_sampling_args(args: argparse.Namespace) -> None:
-    if args.num_samples < 1:
-        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -109,13 +122,15 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    check_sampling_args(args)
+    sampling = sampling_params(args)
     prompt = read_prompt(args)
-    ckpt = load_for_inference(args.ckpt, pick_device(args.device, 0))
+    device = pick_device(args.device, 0)
+    ckpt = load_for_inference(args.ckpt, device)
+    dtype = resolve_dtype(args.dtype, device)
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
     context = ckpt.config.max_seq_len
-    ids = encode_prompt(enc, prompt, context)
-    max_new = clamp_new_tokens(args.max_new_tokens, len(ids), context)
+    ids = encode_prompt(enc, prompt)
+    sampling = fit_to_context(sampling, len(ids), context)
     seed = random.randrange(2**31) if args.seed is None else args.seed
     if args.seed is None:
         print(f"note: seed {seed} (pass --seed {seed} to repeat)", file=sys.stderr)
@@ -123,6 +138,5 @@ def main(argv: list[str] | None = None) -> int:
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples} ---", flush=True)
         sys.stdout.write(prompt)
-        write_sample(ckpt, enc, ids, max_new, sys.stdout, temperature=args.temperature,
-                     top_k=args.top_k or None, top_p=args.top_p, seed=seed + i)
+        write_sample(ckpt, enc, ids, replace(sampling, seed=seed + i), sys.stdout, dtype)
     return 0

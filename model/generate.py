@@ -11,7 +11,9 @@ Dimension key as in model/model.py (L layers, B batch, G kv heads, S cache lengt
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -133,82 +135,131 @@ def _compiled_decode_step():
     return torch.compile(_decode_step, fullgraph=True, dynamic=False)
 
 
+class SamplingError(ValueError):
+    """A sampling parameter out of range. It carries the field and what the field accepts, so the
+    config and the CLI each report it under their own name (sample.top_p, --top-p)."""
+
+    def __init__(self, field: str, value: object, expected: str):
+        super().__init__(f"{field} must be {expected}, got {value!r}")
+        self.field, self.value, self.expected = field, value, expected
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How new tokens are drawn: the one definition of the sampling defaults and ranges, used by
+    generate/stream, the trainer's samples (the [sample] config section) and `lmforge sample`.
+
+    The filters apply in the transformers order: logits / temperature, then top_k, then top_p on
+    the renormalised top-k distribution."""
+
+    max_new_tokens: int
+    temperature: float = 0.8
+    """0 = greedy (the filters and the seed then do not matter)."""
+    top_k: int = 50
+    """Sample among the k most likely tokens; 0 = no top-k filter."""
+    top_p: float | None = None
+    """Keep the smallest set of tokens whose probability reaches top_p; None or 1 = off."""
+    seed: int | None = None
+    """Seed of this call's own generator; None = torch's global random state."""
+
+    def __post_init__(self):
+        rules = [
+            ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+             "an integer >= 1"),
+            ("temperature", _is_number(self.temperature) and self.temperature >= 0,
+             "a finite number >= 0 (0 = greedy)"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", self.top_p is None or _is_number(self.top_p) and 0 < self.top_p <= 1,
+             "in (0, 1] (1 or unset = off)"),
+            ("seed", self.seed is None or _is_int(self.seed) and 0 <= self.seed < 2**64,
+             "an integer in [0, 2**64)"),
+        ]
+        for name, ok, expected in rules:
+            if not ok:
+                raise SamplingError(name, getattr(self, name), expected)
+
+    def fit(self, prompt_len: int, max_seq_len: int) -> SamplingParams:
+        """These params with max_new_tokens cut to the room a prompt of prompt_len tokens leaves
+        in the model's context; ValueError (naming the fix) when it leaves none."""
+        room = max_seq_len - prompt_len
+        if room < 1:
+            raise ValueError(
+                f"a {prompt_len}-token prompt leaves no room for new tokens: the model's context "
+                f"is {max_seq_len}; shorten it by at least {1 - room} token(s)"
+            )
+        return replace(self, max_new_tokens=min(self.max_new_tokens, room))
+
+
 def sample(
-    logits_BV: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
+    logits_BV: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """One token per row: greedy when temperature == 0, else softmax(logits / temperature)
-    restricted to the top_k tokens and/or the smallest set whose probability reaches top_p."""
-    if temperature == 0:
+    """One token per row, drawn as `sampling` says (greedy when its temperature is 0)."""
+    if sampling.temperature == 0:
         return logits_BV.argmax(dim=-1)
-    logits_BV = logits_BV.float() / temperature
-    if top_k is not None:
-        kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+    logits_BV = logits_BV.float() / sampling.temperature
+    if sampling.top_k:
+        k = min(sampling.top_k, logits_BV.shape[-1])
+        kth_B1 = torch.topk(logits_BV, k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    if top_p is not None and top_p < 1.0:
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        # After top-k, so top_p is a share of the renormalised top-k mass (the transformers order).
         sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
         probs_BV = sorted_BV.softmax(dim=-1)
         # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        drop_BV = probs_BV.cumsum(dim=-1) - probs_BV >= top_p
+        drop_BV = probs_BV.cumsum(dim=-1) - probs_BV >= sampling.top_p
         logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
     probs_BV = logits_BV.softmax(dim=-1)
     return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
 
 
-def _check_args(cfg: ModelConfig, prompts, max_new_tokens, temperature, top_k, top_p) -> None:
+def _check_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if any(t < 0 or t >= cfg.vocab_size for p in prompts for t in p):
         raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
             f"max_seq_len {cfg.max_seq_len}; shorten the prompt or ask for fewer tokens"
         )
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
 
 
 @torch.inference_mode()
 def stream(
     model: GPT,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    sampling: SamplingParams,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
     stop_token: int | None = None,
     use_cache: bool = True,
     compile: bool = False,
 ) -> Iterator[list[int | None]]:
     """Yield, per step, each row's new token id, or None once the row has produced stop_token
-    (the stop token itself is not yielded). Stops after max_new_tokens or when all rows stopped.
+    (the stop token itself is not yielded). Stops after sampling.max_new_tokens or when all rows
+    stopped.
 
     compile=True runs each one-token step as a torch.compile'd graph over a StaticKVCache: the
     first call for a new model, batch size or length pays the compilation (tens of seconds on
     CPU), later calls reuse it."""
-    cfg = model.cfg
-    _check_args(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
+    cfg, max_new_tokens = model.cfg, sampling.max_new_tokens
+    _check_prompts(cfg, prompts, max_new_tokens)
     weight = model.tok_emb.weight
     device, dtype = weight.device, weight.dtype
     B, P = len(prompts), max(len(p) for p in prompts)
     pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
     idx_BT = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], device=device)
     generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    if sampling.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
 
     def new_cache(length: int, cache_class: type[KVCache] = KVCache) -> KVCache:
         return cache_class(cfg, B, length, pad_B=pad_B, device=device, dtype=dtype)
@@ -226,7 +277,7 @@ def stream(
     logits_BV = model(idx_BT, kv_cache=cache if cache is not None else new_cache(P))[:, -1]
     finished = [False] * B
     for step in range(max_new_tokens):
-        next_B = sample(logits_BV, temperature, top_k, top_p, generator)
+        next_B = sample(logits_BV, sampling, generator)
         out: list[int | None] = []
         for b, tok in enumerate(next_B.tolist()):
             finished[b] = finished[b] or tok == stop_token
@@ -242,24 +293,12 @@ def stream(
 
 
 def generate(
-    model: GPT,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop_token: int | None = None,
-    use_cache: bool = True,
-    compile: bool = False,
+    model: GPT, prompts: list[list[int]], sampling: SamplingParams, **options
 ) -> list[list[int]]:
-    """New tokens for each prompt (prompt not included), each cut before its stop token."""
+    """New tokens for each prompt (prompt not included), each cut before its stop token.
+    `options` are stream's: stop_token, use_cache, compile."""
     rows: list[list[int]] = [[] for _ in prompts]
-    for step in stream(
-        model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, stop_token=stop_token, use_cache=use_cache, compile=compile,
-    ):
+    for step in stream(model, prompts, sampling, **options):
         for row, tok in zip(rows, step):
             if tok is not None:
                 row.append(tok)

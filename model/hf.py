@@ -5,6 +5,11 @@ rotate_half, so q/k weights map across unpermuted (the logit-parity tests in tes
 would fail otherwise). Only the fused projections are split/joined: qkv ↔ q_proj/k_proj/v_proj
 and the SwiGLU up ↔ gate_proj/up_proj; the vocabulary padding rows are dropped on export and
 restored (as zeros) on import.
+
+config.json is read by every transformers we allow (pyproject: >= 4.45): 4.x reads the
+top-level `rope_theta` and `torch_dtype` and silently defaults to 10000 and fp32 without them,
+5.x reads `rope_parameters` and `dtype`, so both forms are written. tests/test_hf.py checks the
+logits against the oldest allowed transformers as well as the installed one.
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ from safetensors.torch import load_file, save_file
 from model.model import GPT, ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+GENERATION_FILE = "generation_config.json"
 COMPILED_PREFIX = "_orig_mod."  # what torch.compile puts in front of state_dict keys
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """The transformers LlamaConfig (config.json) describing the same network."""
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                   eos_token_id: int | None = None) -> dict:
+    """The transformers LlamaConfig (config.json) describing the same network.
+
+    eos_token_id is the end-of-text id, which is also the bos: documents start with it in the
+    training shards (and `lmforge sample` prompts with it), so generation starts and stops there."""
     if cfg.mlp != "swiglu":
         raise ValueError(f"model.mlp={cfg.mlp!r} cannot be exported as Llama (SwiGLU only); train with mlp='swiglu'")
     return {
@@ -38,24 +48,35 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
         "initializer_range": cfg.init_std,
-        "bos_token_id": None,
-        "eos_token_id": None,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def hf_generation_dict(eos_token_id: int | None) -> dict:
+    """generation_config.json: `generate()` stops at end-of-text and pads with it (the model has
+    no pad token, and padding is masked anyway)."""
+    return {"bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id}
 
 
 def _split_rows(w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return [part.contiguous() for part in w.split(sizes, dim=0)]
 
 
-def export_hf(model_or_state, cfg: ModelConfig, out_dir, dtype: torch.dtype = torch.float32) -> Path:
-    """Write out_dir/config.json and out_dir/model.safetensors for LlamaForCausalLM."""
-    hf_cfg = hf_config_dict(cfg, dtype)
+def export_hf(model_or_state, cfg: ModelConfig, out_dir, dtype: torch.dtype = torch.float32,
+              eos_token_id: int | None = None) -> Path:
+    """Write out_dir/config.json, generation_config.json and model.safetensors for
+    LlamaForCausalLM. Pass the tokenizer's end-of-text id as eos_token_id, or generation
+    never stops at the end of a text."""
+    hf_cfg = hf_config_dict(cfg, dtype, eos_token_id)
     sd = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
     sd = {k.removeprefix(COMPILED_PREFIX): v.detach().to("cpu", dtype) for k, v in sd.items()}
     H, G, K, V = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.vocab_size
@@ -84,6 +105,7 @@ def export_hf(model_or_state, cfg: ModelConfig, out_dir, dtype: torch.dtype = to
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: t.contiguous() for k, t in out.items()}, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    (out_dir / GENERATION_FILE).write_text(json.dumps(hf_generation_dict(eos_token_id), indent=2) + "\n")
     return out_dir
 
 

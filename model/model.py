@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 VOCAB_MULTIPLE = 64  # the LM-head matmul is faster when V is a multiple of 64
 MLP_KINDS = ("swiglu", "gelu")
+IGNORE_INDEX = -100  # a target the loss skips (eval padding rows); cross_entropy's default
+LOSS_CHUNK_ELEMS = 2**23  # 32 MB of fp32 logits per chunk; 128-1024 tokens timed alike (V 50k)
 
 
 @dataclass
@@ -69,8 +71,10 @@ class ModelConfig:
                 f"head_dim = d_model / n_head = {self.head_dim} is odd; RoPE rotates pairs, "
                 "so choose d_model and n_head giving an even head_dim"
             )
-        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
-            raise ValueError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # NaN fails every comparison: test it
+                raise ValueError(f"model.{name} must be a finite number > 0, got {value}")
 
     @property
     def head_dim(self) -> int:
@@ -196,6 +200,95 @@ class Block(nn.Module):
         self.mlp_norm.reset_parameters()
 
 
+def _head_loss_chunk(h_CD, w_VD, targets_C, vocab_size, ignore_index, grad_scale_C=None):
+    """Loss of C tokens (fp32) and, when grad_scale_C is given, the gradients of
+    sum(grad_scale_C * loss_C) w.r.t. h_CD (its dtype) and w_VD (fp32, to be summed over chunks).
+
+    The logits are upcast before the log-softmax, so the loss is fp32 whatever the matmul dtype.
+    Padded vocabulary columns get -inf: no probability mass, hence no gradient."""
+    logits_CV = (h_CD @ w_VD.T).float()
+    logits_CV[:, vocab_size:] = float("-inf")
+    valid_C = targets_C != ignore_index
+    safe_C = torch.where(valid_C, targets_C, 0)
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    loss_C = torch.where(valid_C, lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1), 0.0)
+    if grad_scale_C is None:
+        return loss_C, None, None
+    # d loss / d logits = softmax - one_hot(target), zero on ignored rows; built in place.
+    grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+    grad_CV[torch.arange(len(safe_C), device=safe_C.device), safe_C] -= 1.0
+    grad_CV = (grad_CV * torch.where(valid_C, grad_scale_C, 0.0)[:, None]).to(h_CD.dtype)
+    return loss_C, grad_CV @ w_VD, (grad_CV.T @ h_CD).float()
+
+
+def _head_loss_chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_scale_N=None):
+    """_head_loss_chunk over chunks of `chunk` tokens: (loss_N, grad_h_ND, grad_w_VD)."""
+    losses, grads_h, grad_w_VD = [], [], None
+    for start in range(0, len(targets_N), chunk):
+        part = slice(start, start + chunk)
+        scale_C = None if grad_scale_N is None else grad_scale_N[part]
+        loss_C, grad_h_CD, grad_w = _head_loss_chunk(
+            h_ND[part], w_VD, targets_N[part], vocab_size, ignore_index, scale_C
+        )
+        losses.append(loss_C)
+        if grad_w is not None:
+            grads_h.append(grad_h_CD)
+            grad_w_VD = grad_w if grad_w_VD is None else grad_w_VD + grad_w
+    grad_h_ND = torch.cat(grads_h) if grads_h else None
+    return torch.cat(losses), grad_h_ND, grad_w_VD
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of softmax(h @ wᵀ) without the full logits. Summed over tokens
+    (`per_token=False`), the gradients are computed chunk by chunk in the forward pass, where
+    the logits are at hand (no recompute), and only scaled in backward. Per token, the upstream
+    gradient differs by token, so backward recomputes each chunk's logits instead."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, per_token):
+        ctx.args = (vocab_size, ignore_index, chunk)
+        ctx.per_token = per_token
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        if per_token or not needs_grad:
+            ctx.save_for_backward(h_ND, w_VD, targets_N)
+            loss_N, _, _ = _head_loss_chunks(h_ND, w_VD, targets_N, *ctx.args)
+            return loss_N if per_token else loss_N.sum()
+        ones_N = torch.ones(len(targets_N), device=h_ND.device)
+        loss_N, grad_h_ND, grad_w_VD = _head_loss_chunks(h_ND, w_VD, targets_N, *ctx.args, ones_N)
+        ctx.save_for_backward(grad_h_ND, grad_w_VD.to(w_VD.dtype))
+        return loss_N.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.per_token:
+            h_ND, w_VD, targets_N = ctx.saved_tensors
+            _, grad_h_ND, grad_w_VD = _head_loss_chunks(
+                h_ND, w_VD, targets_N, *ctx.args, grad_loss.float()
+            )
+            return grad_h_ND, grad_w_VD.to(w_VD.dtype), None, None, None, None, None
+        grad_h_ND, grad_w_VD = ctx.saved_tensors
+        return grad_h_ND * grad_loss, grad_w_VD * grad_loss, None, None, None, None, None
+
+
+def chunked_cross_entropy(
+    h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=-100, chunk=1024
+):
+    """F.cross_entropy(h_BTD @ w_VDᵀ, targets) over the first `vocab_size` columns, computed
+    `chunk` tokens at a time: memory O(chunk·V) instead of O(B·T·V), for the loss and for its
+    gradient. reduction "mean" (over tokens whose target != ignore_index), "sum" or "none"."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
+    loss = _ChunkedCrossEntropy.apply(
+        h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, reduction == "none"
+    )
+    if reduction == "none":
+        return loss.view(targets_BT.shape)
+    if reduction == "mean":
+        return loss / (targets_N != ignore_index).sum()
+    return loss
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -215,6 +308,9 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", empty.clone(), persistent=False)
         if self.tok_emb.weight.device.type != "meta":
             self.init_weights()
+        # Tokens per chunk of the LM-head loss: bounds its fp32 chunk of logits to ~LOSS_CHUNK_ELEMS.
+        # An attribute, not a config field: it changes memory and speed, never the model.
+        self.loss_chunk_tokens = max(1, LOSS_CHUNK_ELEMS // V)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -241,7 +337,7 @@ class GPT(nn.Module):
         targets_BT: torch.Tensor | None = None,
         *,
         reduction: str = "mean",
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         kv_cache=None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) without targets; with targets only the loss: "mean" over
@@ -262,26 +358,23 @@ class GPT(nn.Module):
             x_BTD = block(x_BTD, cos, sin, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        logits_BTV = self.lm_head(self.norm_f(x_BTD))  # V padded
         if targets_BT is None:
-            return logits_BTV[..., : self.cfg.vocab_size]
-        return self._loss(logits_BTV, targets_BT, reduction, ignore_index)
+            return self.lm_head(self.norm_f(x_BTD))[..., : self.cfg.vocab_size]  # V padded
+        return self.head_loss(x_BTD, targets_BT, reduction, ignore_index)
 
-    def _loss(self, logits_BTV, targets_BT, reduction, ignore_index):
-        # The padded columns get -inf so softmax gives them no mass and no gradient. Written in
-        # place: the LM-head matmul does not save its output for backward, so this is legal and
-        # avoids both a copy and a slice that would break the 64-aligned matmul.
-        # No .float() here: under bf16 autocast the logits come out bf16 and cross_entropy is on
-        # autocast's fp32 list (CPU and CUDA), so it upcasts a transient copy and saves only its
-        # fp32 log-probs for backward: the single fp32 B×T×V tensor unavoidable without a fused
-        # kernel (tests/test_model.py measures it). Returning only the loss, never the logits,
-        # keeps the bf16 logits from staying alive beside it.
-        if self.cfg.padded_vocab_size > self.cfg.vocab_size:
-            logits_BTV[..., self.cfg.vocab_size :] = float("-inf")
-        loss = F.cross_entropy(
-            logits_BTV.flatten(0, 1), targets_BT.flatten(), ignore_index=ignore_index, reduction=reduction
+    def head_loss(self, x_BTD, targets_BT, reduction="mean", ignore_index=-100):
+        """Final norm, LM head and cross-entropy by chunks of tokens (`chunked_cross_entropy`):
+        the B×T×V logits are never built whole. The head matmul runs in the compute dtype (bf16
+        under autocast or FSDP's bf16 parameters); the log-softmax and the loss always in fp32."""
+        h_BTD = self.norm_f(x_BTD)
+        device = h_BTD.device.type
+        if torch.is_autocast_enabled(device):
+            h_BTD = h_BTD.to(torch.get_autocast_dtype(device))
+        w_VD = self.lm_head.weight.to(h_BTD.dtype)
+        return chunked_cross_entropy(
+            h_BTD, w_VD, targets_BT, self.cfg.vocab_size, reduction, ignore_index,
+            self.loss_chunk_tokens,
         )
-        return loss.view(targets_BT.shape) if reduction == "none" else loss
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied matrix counts once). exclude_embeddings drops the vocabulary

@@ -5,26 +5,36 @@ A run directory holds:
     RUN/config.toml                      resolved config of the run
     RUN/metrics.jsonl, RUN/loss.png      metrics (pipeline.metrics)
     RUN/checkpoints/step_00000100/       a training checkpoint (resumable)
-        meta.json                        written last: format, version, step, model config,
-                                         job config, loader position, counters
+        meta.json                        written last: CheckpointMeta (format, version, step,
+                                         model, job config, lineage, loader position, counters)
         .metadata, __*_*.distcp          model + optimizer, torch.distributed.checkpoint (DCP):
                                          sharded by FSDP, reshardable to any number of ranks
         rng_rank00000.pt ...             each rank's RNG states
         tokenizer/                       the vocabulary (data_prep's tokenizer directory)
+    RUN/checkpoints/abandoned/TIME_.../  checkpoints a rollback moved aside (see abandon_newer)
     RUN/final/                           the consolidated export for eval / sample / export
         meta.json, model.safetensors, tokenizer/
 
 A checkpoint is written into `NAME.tmp` and renamed to `NAME` only when every rank has finished
 and meta.json is in place, so a crash mid-save never leaves a directory that looks complete.
 Every checkpoint carries its tokenizer, so a single directory is enough to evaluate or sample.
+
+"Newest" means newest of the run's current line of checkpoints: resuming from an older checkpoint
+than the newest (a rollback) moves the newer ones, and a final/ export past that step, aside into
+checkpoints/abandoned/, so keep-K, `--resume auto` and `--ckpt RUN` never pick the abandoned branch.
+DCP's `.metadata` is a pickle: it is read through an unpickler that admits only the classes DCP
+writes, so opening someone else's checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import re
 import shutil
+import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,11 +52,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model import GPT, ModelConfig
+from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from pipeline.distributed import DistInfo, barrier
+from pipeline.metrics import get_logger
 
 FORMAT = "lmforge-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+ABANDONED = "abandoned"
+
+log = get_logger()
 
 
 class CheckpointError(Exception):
@@ -65,6 +81,56 @@ def step_dir_name(step: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# The metadata of every checkpoint
+
+
+@dataclass
+class CheckpointMeta:
+    """meta.json, written last in every checkpoint: its presence means the checkpoint is complete."""
+
+    step: int
+    model: ModelConfig  # the model as built (vocabulary taken from the data)
+    config: JobConfig  # the run's job config
+    lineage: str  # id of the run the checkpoint descends from; kept across resumes and rollbacks
+    parent_step: int | None = None  # the step this process resumed from; None: started fresh
+    world_size: int = 1  # ranks that wrote it
+    bad_steps: int = 0  # consecutive non-finite steps so far
+    loader: dict[str, int] | None = None  # the loader's cursor; None in a final/ export
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "step": self.step,
+                "model": self.model.to_dict(), "config": config_to_dict(self.config),
+                "lineage": self.lineage, "parent_step": self.parent_step,
+                "world_size": self.world_size, "bad_steps": self.bad_steps, "loader": self.loader}
+
+    @classmethod
+    def from_json(cls, d: dict, where: Path) -> CheckpointMeta:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            found = d.get("format") if isinstance(d, dict) else d
+            raise CheckpointError(f"{where} is not an lmforge checkpoint (format={found!r})")
+        if d.get("version") != VERSION:
+            raise CheckpointError(
+                f"{where} has checkpoint format version {d.get('version')}, this lmforge reads "
+                f"version {VERSION}; use the lmforge version that wrote it"
+            )
+        try:
+            return cls(
+                step=int(d["step"]), model=ModelConfig.from_dict(d["model"]),
+                config=config_from_dict(d["config"]), lineage=str(d["lineage"]),
+                parent_step=d["parent_step"], world_size=int(d["world_size"]),
+                bad_steps=int(d["bad_steps"]), loader=d["loader"],
+            )
+        except (KeyError, TypeError, ValueError, ConfigError) as e:
+            raise CheckpointError(
+                f"{where}/meta.json is invalid ({type(e).__name__}: {e}); use another checkpoint"
+            ) from None
+
+
+def new_lineage() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+# --------------------------------------------------------------------------------------------
 # Finding checkpoints
 
 
@@ -79,7 +145,7 @@ def list_complete(ckpt_root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def read_meta(ckpt_dir: Path) -> dict:
+def read_meta(ckpt_dir: Path) -> CheckpointMeta:
     meta_path = ckpt_dir / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(
@@ -87,22 +153,16 @@ def read_meta(ckpt_dir: Path) -> dict:
             "pass a run directory, a checkpoints/step_* directory or a final/ export"
         )
     try:
-        meta = json.loads(meta_path.read_text())
+        d = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is corrupt ({e}); use another checkpoint") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt_dir} is not an lmforge checkpoint (format={meta.get('format')!r})")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(
-            f"{ckpt_dir} has checkpoint format version {meta.get('version')}, this lmforge reads "
-            f"version {VERSION}; use the lmforge version that wrote it"
-        )
-    return meta
+    return CheckpointMeta.from_json(d, ckpt_dir)
 
 
 def resolve(path: str | Path) -> Path:
     """A run directory, a step directory, a final/ directory or a model.safetensors file -> the
-    checkpoint directory to read (for a run directory: the newest complete one)."""
+    checkpoint directory to read (for a run directory: the newest complete one, final/ on a tie;
+    a rollback has moved any abandoned newer ones out of the way)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint path {p} does not exist; pass a run directory or a checkpoint")
@@ -118,7 +178,53 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(
             f"no complete checkpoint in {p} (expected meta.json, checkpoints/step_*/ or final/)"
         )
-    return max(candidates, key=lambda c: (read_meta(c)["step"], c.name == "final"))
+    return max(candidates, key=lambda c: (read_meta(c).step, c.name == "final"))
+
+
+def resolve_resumable(path: str | Path) -> Path:
+    """--resume PATH: a step checkpoint, or a run directory's newest one (final/ holds no
+    optimizer state)."""
+    p = Path(path)
+    if p.is_dir() and not (p / "meta.json").is_file() and list_complete(p / "checkpoints"):
+        return list_complete(p / "checkpoints")[-1]
+    ckpt = resolve(p)
+    if not (ckpt / ".metadata").is_file():
+        raise CheckpointError(
+            f"{ckpt} is an export without optimizer state and cannot be resumed; pass a "
+            "checkpoints/step_* directory"
+        )
+    return ckpt
+
+
+def _step_or_none(ckpt_dir: Path) -> int | None:
+    try:
+        return read_meta(ckpt_dir).step
+    except CheckpointError:
+        return None
+
+
+def abandon_newer(run_dir: Path, step: int) -> Path | None:
+    """Rank 0, before a run resumed from `step` writes anything: move the step checkpoints newer
+    than `step`, and a final/ export past it, to checkpoints/abandoned/TIME_after_step_N/ (logged,
+    never deleted), so that the line being continued is the run's only current one."""
+    root = run_dir / "checkpoints"
+    newer = [c for c in list_complete(root) if int(STEP_DIR.match(c.name)[1]) > step]
+    final = run_dir / "final"
+    if (final / "meta.json").is_file() and (_step_or_none(final) or 0) > step:
+        newer.insert(0, final)  # first: a crash mid-move must not leave final/ as the newest
+    if not newer:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = root / ABANDONED / f"{stamp}_after_{step_dir_name(step)}"
+    n = 1
+    while dest.exists():
+        dest, n = dest.with_name(f"{stamp}_after_{step_dir_name(step)}_{n}"), n + 1
+    dest.mkdir(parents=True)
+    for c in newer:
+        c.rename(dest / c.name)
+    log.warning("resuming from step %d, older than the newest checkpoint: moved %s to %s",
+                step, ", ".join(c.name for c in newer), dest)
+    return dest
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,17 +248,16 @@ def _set_rng_state(state: dict) -> None:
 
 def save_training(
     run_dir: Path,
-    step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    meta: dict,
+    meta: CheckpointMeta,
     tokenizer_dir: Path,
     info: DistInfo,
     keep: int,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
     root = run_dir / "checkpoints"
-    final = root / step_dir_name(step)
+    final = root / step_dir_name(meta.step)
     tmp = root / (final.name + ".tmp")
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -167,19 +272,33 @@ def save_training(
     barrier(info)
     if info.is_main:
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        full = {"format": FORMAT, "version": VERSION, "step": step, "world_size": info.world_size}
-        _write_json(tmp / "meta.json", full | meta)
+        _write_json(tmp / "meta.json", meta.to_json())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in list_complete(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _drop_oldest(root, meta.lineage, keep)
     barrier(info)
     return final
 
 
-def check_same_model(meta: dict, model_cfg: ModelConfig, where: Path) -> None:
-    theirs = meta["model"]
-    ours = model_cfg.to_dict()
+def _drop_oldest(root: Path, lineage: str, keep: int) -> None:
+    """keep-K over this run's line only: a checkpoint of another lineage (or unreadable) stays."""
+    ours = [c for c in list_complete(root) if _lineage_or_none(c) == lineage]
+    for old in ours[:-keep] if keep > 0 else []:
+        # Renamed first, so a crash mid-delete never leaves a half-deleted step_* that looks complete.
+        doomed = old.with_name(old.name + ".deleting")
+        old.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _lineage_or_none(ckpt_dir: Path) -> str | None:
+    try:
+        return read_meta(ckpt_dir).lineage
+    except CheckpointError:
+        return None
+
+
+def check_same_model(meta: CheckpointMeta, model_cfg: ModelConfig, where: Path) -> None:
+    theirs, ours = meta.model.to_dict(), model_cfg.to_dict()
     diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
     if diff:
         shown = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in sorted(diff.items()))
@@ -190,14 +309,22 @@ def check_same_model(meta: dict, model_cfg: ModelConfig, where: Path) -> None:
 
 
 def load_training(
-    ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
-) -> dict:
-    """Collective: restore model + optimizer (resharding as needed) and this rank's RNG; return meta."""
+    ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, model_cfg: ModelConfig,
+    info: DistInfo,
+) -> CheckpointMeta:
+    """Collective: check the checkpoint is of `model_cfg`, restore model + optimizer (resharding
+    as needed) and this rank's RNG; return its meta."""
     meta = read_meta(ckpt_dir)
+    check_same_model(meta, model_cfg, ckpt_dir)
+    if meta.loader is None:
+        raise CheckpointError(f"{ckpt_dir} holds no training state (an export); "
+                              "resume from a checkpoints/step_* directory")
+    reader = SafeFileSystemReader(ckpt_dir)
+    reader.read_metadata()  # refuse a crafted .metadata before DCP touches it, with our message
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not info.is_distributed)
+        dcp.load(state, storage_reader=reader, no_dist=not info.is_distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -205,6 +332,52 @@ def load_training(
     if rng_file.is_file():  # absent when resuming on more ranks than wrote the checkpoint
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return meta
+
+
+# --------------------------------------------------------------------------------------------
+# DCP metadata without arbitrary unpickling
+
+# Every global a DCP .metadata pickle names (torch 2.x): its dataclasses, torch.Size, dtypes,
+# layouts (rebuilt by name) and the checkpoint path. Anything else is refused.
+_DCP_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP never writes")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader, reading .metadata through the allow-list unpickler above."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, use another") from None
+        except Exception as e:  # any malformed pickle: one line, never a traceback
+            raise CheckpointError(
+                f"refusing to load {path}: not DCP metadata lmforge can read safely ({e}); "
+                "the file is corrupt or crafted, use a checkpoint you trust"
+            ) from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,16 +397,16 @@ def _drop_tied(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 
 def save_consolidated(
-    out_dir: Path, state: dict[str, torch.Tensor], meta: dict, tokenizer_dir: Path, cfg: ModelConfig
+    out_dir: Path, state: dict[str, torch.Tensor], meta: CheckpointMeta, tokenizer_dir: Path
 ) -> Path:
     """Rank 0 only: write OUT/{model.safetensors, meta.json, tokenizer/} atomically."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.contiguous() for k, v in _drop_tied(state, cfg).items()}
+    tensors = {k: v.contiguous() for k, v in _drop_tied(state, meta.model).items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
     shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-    _write_json(tmp / "meta.json", {"format": FORMAT, "version": VERSION} | meta)
+    _write_json(tmp / "meta.json", meta.to_json())
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
@@ -242,11 +415,17 @@ def save_consolidated(
 @dataclass
 class LoadedCheckpoint:
     model: GPT
-    config: ModelConfig
-    step: int
     path: Path
     tokenizer_dir: Path
-    meta: dict
+    meta: CheckpointMeta
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.meta.model
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
 
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> LoadedCheckpoint:
@@ -257,27 +436,20 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     """
     ckpt = resolve(path)
     meta = read_meta(ckpt)
-    try:
-        cfg = ModelConfig.from_dict(meta["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{ckpt}/meta.json has an invalid model config: {e}") from None
-    model = GPT(cfg)
+    model = GPT(meta.model)
     weights = ckpt / "model.safetensors"
     if weights.is_file():
         state = load_file(str(weights))
     else:
-        _check_dcp_shapes(ckpt, model, cfg)
-        state = dict(model.state_dict())
-        box = {"model": state}
+        reader = SafeFileSystemReader(ckpt)
+        _check_dcp_shapes(reader, model, ckpt)
+        box = {"model": dict(model.state_dict())}
         with _single_process_ok():
-            dcp.load(box, checkpoint_id=str(ckpt), no_dist=True)
+            dcp.load(box, storage_reader=reader, no_dist=True)
         state = box["model"]
-    _load_strict(model, state, cfg, ckpt)
+    _load_strict(model, state, meta.model, ckpt)
     model.to(device).eval()
-    return LoadedCheckpoint(
-        model=model, config=cfg, step=int(meta["step"]), path=ckpt,
-        tokenizer_dir=ckpt / "tokenizer", meta=meta,
-    )
+    return LoadedCheckpoint(model=model, path=ckpt, tokenizer_dir=ckpt / "tokenizer", meta=meta)
 
 
 def _misfit(where: Path, detail: str) -> CheckpointError:
@@ -293,11 +465,11 @@ def _check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size],
         raise _misfit(where, "shape " + "; ".join(wrong[:2]))
 
 
-def _check_dcp_shapes(ckpt: Path, model: GPT, cfg: ModelConfig) -> None:
-    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+def _check_dcp_shapes(reader: SafeFileSystemReader, model: GPT, where: Path) -> None:
+    stored = reader.read_metadata().state_dict_metadata
     found = {k.removeprefix("model."): v.size for k, v in stored.items()
              if k.startswith("model.") and hasattr(v, "size")}
-    _check_shapes({k: v.shape for k, v in model.state_dict().items()}, found, ckpt)
+    _check_shapes({k: v.shape for k, v in model.state_dict().items()}, found, where)
 
 
 def _load_strict(model: GPT, state: dict, cfg: ModelConfig, where: Path) -> None:

@@ -13,28 +13,30 @@ the fix. An Optional field is unset by omitting it (TOML has no null) or by `--k
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import os
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
+from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
+from pipeline.budget import CALIBRATION_STEPS
+from pipeline.typed_config import (  # noqa: F401 - ConfigError, parse_overrides: re-exported
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    parse_overrides,
+)
+from pipeline.typed_config import bad_value as _bad
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(Exception):
-    """A bad config file, override or value; the message is one line naming the fix."""
 
 
 @dataclass
@@ -55,11 +57,18 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Sequences per rank per micro-step (forward/backward); trades memory for accumulation."""
     max_steps: int = 200
-    """Optimizer steps of the whole run."""
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype; master weights and optimizer state stay fp32 either way."""
+    """Optimizer steps of the whole run (with time_budget_s: at most this many)."""
+    time_budget_s: float = 0.0
+    """Wall-clock budget of the run in seconds, 0 = off: the first steps are timed and max_steps
+    lowered so that training with its evals, samples and checkpoints fits (pipeline/budget.py);
+    the chosen length is then written to the run's config.toml with the budget off."""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute dtype; master weights and optimizer state stay fp32 either way. auto = bf16 on
+    GPUs with bf16 tensor cores and on CPUs where bf16 matmul is native and faster (a measured
+    probe: most CPUs without AVX512-BF16/AMX emulate it ~100x slower), else fp32."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the model; auto = on for CUDA only (a cold compile costs ~30 s on CPU)."""
+    """torch.compile the forward + loss; auto = on for CUDA, and on CPU when the run's estimated
+    eager time is >= 10x the cold compile (~30 s): see parallelize.resolve_compile."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -72,8 +81,12 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every parameter. muon: torch.optim.Muon for the transformer blocks'
+    matrices (at muon_lr), AdamW for the token embedding / LM head and the norms (at lr);
+    ddp or one process (not fsdp: Muon needs whole matrices)."""
     lr: float = 3e-3
-    """Peak learning rate, reached at the end of the warmup."""
+    """Peak learning rate, reached at the end of the warmup (with muon: the AdamW groups')."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     warmup_steps: int = 20
@@ -91,6 +104,19 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     fused: Literal["auto", "on", "off"] = "auto"
     """Fused AdamW kernel; auto = on where the device supports it."""
+    muon_lr: float = 0.02
+    """muon: peak lr of the block matrices, scaled by sqrt(max(1, rows/cols)) per matrix (torch's
+    default); 0.02 as in Keller Jordan's Muon, modded-nanogpt and nanochat."""
+    muon_momentum: float = 0.95
+    """muon: momentum after its warmup (Muon's, modded-nanogpt's and nanochat's 0.95)."""
+    muon_momentum_start: float = 0.85
+    """muon: momentum at step 0, raised linearly to muon_momentum (modded-nanogpt, nanochat)."""
+    muon_momentum_warmup_steps: int = 50
+    """muon: steps of the momentum warmup; 0 = muon_momentum from the start."""
+    muon_nesterov: bool = True
+    """muon: Nesterov momentum (the Muon default)."""
+    muon_weight_decay: float = 0.0
+    """muon: decoupled weight decay of the matrices (as in modded-nanogpt and nanochat's short runs)."""
 
 
 @dataclass
@@ -109,14 +135,22 @@ class SampleConfig:
     every: int = 100
     """Generate samples every N steps (and at the end); 0 = only at the end."""
     prompts: list[str] = field(default_factory=lambda: ["def ", "import "])
-    """Prompts continued by rank 0 and logged."""
+    """Prompts continued by rank 0 and logged; [] = no samples. Each must leave room for new
+    tokens in model.max_seq_len (checked before step 1)."""
     max_new_tokens: int = 48
-    temperature: float = 0.8
+    """At most this many tokens per sample (cut to what the longest prompt leaves)."""
+    # Defaults and ranges of these three are SamplingParams' (model/generate.py).
+    temperature: float = SamplingParams.temperature
     """0 = greedy."""
-    top_k: int = 50
+    top_k: int = SamplingParams.top_k
     """Sample among the k most likely tokens; 0 = no top-k filter."""
-    top_p: float | None = None
+    top_p: float | None = SamplingParams.top_p
     """Nucleus sampling threshold in (0, 1]; unset = off."""
+
+    def params(self, seed: int | None = None) -> SamplingParams:
+        """This section as validated SamplingParams (SamplingError names a bad field)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_k=self.top_k, top_p=self.top_p, seed=seed)
 
 
 @dataclass
@@ -154,126 +188,15 @@ class JobConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-# ----------------------------------------------------------------------------- schema
-
-def _sections() -> dict[str, type]:
-    return typing.get_type_hints(JobConfig)
-
-
-def _fields(section_cls: type) -> dict[str, Any]:
-    """Field name -> resolved type (the annotations are strings under `from __future__`)."""
-    hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
-
-
-def _all_keys() -> list[str]:
-    return [f"{s}.{k}" for s, cls in _sections().items() for k in _fields(cls)]
-
-
-def _unknown(name: str, candidates: list[str]) -> ConfigError:
-    # A right key in the wrong section ('train.lr' -> 'optim.lr') beats a near spelling.
-    leaf = name.rsplit(".", 1)[-1]
-    close = [c for c in candidates if c.rsplit(".", 1)[-1] == leaf and "." in c][:1]
-    close = close or difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    hint = f" — did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"unknown key '{name}'{hint}")
-
-
-# ----------------------------------------------------------------------------- values
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "none"
-    return getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is None else str(tp)
-
-
-def _bad(key: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"bad value for '{key}': {value!r} (expected {expected})")
-
-
-def _parse_text(key: str, text: str, tp: Any) -> Any:
-    """Turn a command-line string into a value of the field's type (checked by `_check`)."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if type(None) in args and text.strip().lower() in ("none", "null"):
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _parse_text(key, text, inner)
-    if origin is list:
-        try:  # TOML array syntax, which also covers JSON's: '["def ", "import "]'
-            return tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            raise _bad(key, text, 'a list such as ["a", "b"]') from None
-    if tp is bool:
-        lowered = text.strip().lower()
-        if lowered not in ("true", "false", "1", "0"):
-            raise _bad(key, text, "true | false | 1 | 0")
-        return lowered in ("true", "1")
-    if tp in (int, float):
-        try:
-            return tp(text)
-        except ValueError:
-            raise _bad(key, text, tp.__name__) from None
-    return text  # str and Literal[str]: `_check` validates the choice
-
-
-def _check(key: str, value: Any, tp: Any) -> Any:
-    """Return `value` if it has type `tp` (an int is accepted for a float), else raise."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise _bad(key, value, f"one of {_type_name(tp)}")
-        return value
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check(key, value, inner)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise _bad(key, value, f"a list of {_type_name(item)}")
-        return [_check(key, v, item) for v in value]
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    # bool is a subclass of int: `max_steps = true` must not pass as 1.
-    if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
-        raise _bad(key, value, _type_name(tp))
-    return value
-
-
 # ----------------------------------------------------------------------------- building
+# The generic typed-dataclass machinery (parsing, type checks, unknown keys) is pipeline.typed_config.
 
 def config_from_dict(d: dict[str, Any]) -> JobConfig:
     """Build and validate a JobConfig from nested section dicts (a TOML file, a checkpoint).
 
     Missing sections and keys take their defaults; unknown ones are errors.
     """
-    sections = _sections()
-    built = {}
-    for name, values in d.items():
-        if name not in sections:
-            raise _unknown(name, list(sections) + _all_keys())
-        if not isinstance(values, dict):
-            raise ConfigError(f"'{name}' must be a section ([{name}] in TOML), got {values!r}")
-    for name, cls in sections.items():
-        types_ = _fields(cls)
-        kwargs = {}
-        for key, value in d.get(name, {}).items():
-            if key not in types_:
-                raise _unknown(f"{name}.{key}", _all_keys())
-            kwargs[key] = _check(f"{name}.{key}", value, types_[key])
-        try:
-            built[name] = cls(**kwargs)
-        except ValueError as e:  # ModelConfig checks its own shapes, naming the keys
-            raise ConfigError(str(e)) from None
-    cfg = JobConfig(**built)
+    cfg = from_dict(JobConfig, d)
     validate(cfg)
     return cfg
 
@@ -281,25 +204,6 @@ def config_from_dict(d: dict[str, Any]) -> JobConfig:
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
     """Nested plain dicts (ints, floats, strs, lists, None): safe to embed in a checkpoint."""
     return dataclasses.asdict(cfg)
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, str]]:
-    """['--a.b', '1', '--c.d=x'] -> [('a.b', '1'), ('c.d', 'x')]."""
-    pairs, i = [], 0
-    while i < len(overrides):
-        arg = overrides[i]
-        if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"unexpected argument '{arg}' — overrides look like --section.key value")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            i += 1
-        elif i + 1 < len(overrides):
-            key, value = arg[2:], overrides[i + 1]
-            i += 2
-        else:
-            raise ConfigError(f"missing value for '{arg}' — write {arg} VALUE")
-        pairs.append((key, value))
-    return pairs
 
 
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> JobConfig:
@@ -312,14 +216,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file '{path}' not found") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
-    sections = _sections()
-    for key, text in parse_overrides(list(overrides)):
-        section, _, name = key.partition(".")
-        types_ = _fields(sections[section]) if section in sections else {}
-        if name not in types_:
-            raise _unknown(key, _all_keys())
-        d.setdefault(section, {})[name] = _parse_text(key, text, types_[name])
-    return config_from_dict(d)
+    return config_from_dict(apply_overrides(JobConfig, d, list(overrides)))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -332,6 +229,12 @@ def validate(cfg: JobConfig) -> None:
         if not ok:
             raise _bad(key, getattr(getattr(cfg, section), name), expected)
 
+    # Every float of every section is finite, whatever its range below (a NaN fails no `<`).
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            need(not isinstance(value, float) or math.isfinite(value), f"{section.name}.{f.name}",
+                 "a finite number")
     m, d, t, o, e, s, c, lg = (cfg.model, cfg.data, cfg.train, cfg.optim, cfg.eval, cfg.sample,
                                cfg.checkpoint, cfg.log)
     need(d.path != "", "data.path", "the directory written by `lmforge prepare`")
@@ -342,6 +245,13 @@ def validate(cfg: JobConfig) -> None:
     need(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1")
     need(t.max_steps >= 1, "train.max_steps", ">= 1")
     need(t.max_bad_steps >= 1, "train.max_bad_steps", ">= 1")
+    need(0 <= t.time_budget_s < math.inf, "train.time_budget_s", "seconds >= 0; 0 = off")
+    # The budget is measured inside the warmup, where the schedule does not depend on max_steps.
+    need(t.time_budget_s == 0 or o.warmup_steps >= CALIBRATION_STEPS, "optim.warmup_steps",
+         f">= {CALIBRATION_STEPS} with train.time_budget_s (its first steps are timed during the "
+         "warmup, before the lr schedule depends on max_steps)")
+    need(t.time_budget_s == 0 or t.max_steps > o.warmup_steps, "train.max_steps",
+         f"> optim.warmup_steps ({o.warmup_steps}) with train.time_budget_s")
     need(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "between 0 and 1")
     need(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0")
@@ -351,14 +261,22 @@ def validate(cfg: JobConfig) -> None:
     need(0 <= o.beta2 < 1, "optim.beta2", "in [0, 1)")
     need(0 < o.eps < 1, "optim.eps", "a small number > 0, e.g. 1e-8")
     need(0 <= o.grad_clip < math.inf, "optim.grad_clip", ">= 0; 0 disables clipping")
+    need(0 < o.muon_lr < math.inf, "optim.muon_lr", "a finite number > 0, e.g. 0.02")
+    need(0 <= o.muon_momentum < 1, "optim.muon_momentum", "in [0, 1)")
+    need(0 <= o.muon_momentum_start < 1, "optim.muon_momentum_start", "in [0, 1)")
+    need(o.muon_momentum_warmup_steps >= 0, "optim.muon_momentum_warmup_steps", ">= 0")
+    need(0 <= o.muon_weight_decay < math.inf, "optim.muon_weight_decay", ">= 0")
+    need(o.name != "muon" or t.parallel != "fsdp", "optim.name",
+         "adamw with train.parallel=fsdp (Muon orthogonalises whole matrices; FSDP holds "
+         "shards), or train.parallel=ddp")
     need(e.every >= 0, "eval.every", ">= 0; 0 = only at the end")
     need(e.tokens >= 1, "eval.tokens", ">= 1")
     need(e.batch_size >= 1, "eval.batch_size", ">= 1")
     need(s.every >= 0, "sample.every", ">= 0; 0 = only at the end")
-    need(s.max_new_tokens >= 1, "sample.max_new_tokens", ">= 1")
-    need(0 <= s.temperature < math.inf, "sample.temperature", ">= 0; 0 = greedy")
-    need(s.top_k >= 0, "sample.top_k", ">= 0; 0 = off")
-    need(s.top_p is None or 0 < s.top_p <= 1, "sample.top_p", "in (0, 1], or none")
+    try:
+        s.params()
+    except SamplingError as err:
+        raise _bad(f"sample.{err.field}", err.value, err.expected) from None
     need(c.every >= 0, "checkpoint.every", ">= 0; 0 = only at the end")
     need(c.keep >= 1, "checkpoint.keep", ">= 1")
     need(c.resume != "", "checkpoint.resume", "none | auto | a checkpoint path")
@@ -413,6 +331,16 @@ def _human(n: float) -> str:
     return f"{n:g}"
 
 
+def _describe_optimizer(o: OptimConfig) -> str:
+    if o.name == "adamw":
+        return f"AdamW (betas {o.beta1:g}/{o.beta2:g}, weight decay {o.weight_decay:g} on matrices)"
+    momentum = (f"{o.muon_momentum_start:g}->{o.muon_momentum:g} over "
+                f"{o.muon_momentum_warmup_steps} steps" if o.muon_momentum_warmup_steps
+                else f"{o.muon_momentum:g}")
+    return (f"Muon for the block matrices (peak lr {o.muon_lr:g}, momentum {momentum}, weight "
+            f"decay {o.muon_weight_decay:g}); AdamW for embedding/head and norms (peak lr {o.lr:g})")
+
+
 def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
     """The start-of-run summary: why each training number is what it is."""
     m, t, o = cfg.model, cfg.train, cfg.optim
@@ -428,11 +356,15 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
         f"batch:     {t.global_batch_tokens:,} tokens/step = {t.micro_batch_size} seqs x "
         f"{cfg.data.seq_len} tokens x {derived.world_size} ranks x {derived.grad_accum_steps} "
         f"accumulation steps ({derived.sequences_per_step} sequences/step)",
-        f"training:  {t.max_steps:,} steps x {t.global_batch_tokens:,} tokens = "
+        f"training:  {'at most ' if t.time_budget_s else ''}{t.max_steps:,} steps x "
+        f"{t.global_batch_tokens:,} tokens = "
         f"{_human(derived.total_tokens)} tokens ({derived.total_tokens / max(n_params, 1):.2f} "
-        f"tokens/param; Chinchilla-optimal is ~20)",
+        f"tokens/param; Chinchilla-optimal is ~20)"
+        + (f"; sized to a {t.time_budget_s:g} s budget after {CALIBRATION_STEPS} timed steps"
+           if t.time_budget_s else ""),
         f"lr:        peak {o.lr:g} after {o.warmup_steps} warmup steps, {decay}",
-        f"numerics:  {t.dtype} compute (fp32 master weights), compile {t.compile}, "
+        f"optimizer: {_describe_optimizer(o)}",
+        f"numerics:  dtype {t.dtype} (fp32 master weights), compile {t.compile}, "
         f"parallel {t.parallel}, device {t.device}",
     ])
 

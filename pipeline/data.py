@@ -24,9 +24,8 @@ import numpy as np
 import torch
 
 from data_prep.errors import DataError
-from data_prep.shards import check_shard, load_manifest, open_shard
-
-IGNORE_INDEX = -100  # targets of eval padding rows (pipeline.evaluate); the model's default
+from data_prep.shards import ShardError, check_shard, load_manifest, open_shard
+from model.model import IGNORE_INDEX  # noqa: F401 - re-exported: the target eval padding rows carry
 
 
 class TokenWindows:
@@ -43,13 +42,13 @@ class TokenWindows:
                 f"{data_dir}; set model.vocab_size = {manifest.vocab_size} (or 0 to take it from "
                 "the data), or re-prepare the data with the model's tokenizer")
         infos = [s for s in manifest.shards if s.split == split]
-        # Headers now; each shard's sha256 the first time this process reads it, so a corrupted
-        # shard is caught before training on it without hashing a whole corpus at start.
+        # Start-up reads each shard's 32-byte header and size, never its tokens: O(shards), not
+        # O(bytes) (hashing 10B tokens on every rank took minutes). A truncated or mismatched
+        # shard fails here; a damaged payload is caught by the token-range check on every read
+        # when it yields an id outside the vocabulary, and fully by `lmforge prepare --verify`.
         for info in infos:
             check_shard(manifest.data_dir / info.file, info, manifest.vocab_size, checksum=False)
         self.paths = [manifest.data_dir / s.file for s in infos]
-        self._infos = infos
-        self._checked: set[int] = set()
         self.vocab_size = manifest.vocab_size
         self.eot_id = manifest.eot_id
         self.split = split
@@ -87,21 +86,22 @@ class TokenWindows:
         while pos < stop:
             k = int(np.searchsorted(self.starts, pos, side="right")) - 1
             if k not in shards:
-                shards[k] = self._open(k)
+                shards[k] = open_shard(self.paths[k])
             end = min(stop, int(self.starts[k + 1]))
             first = int(self.starts[k])
             out[pos - start:end - start] = shards[k][pos - first:end - first]
+            self._check_ids(out[pos - start:end - start], k)
             pos = end
         return out
 
-    def _open(self, k: int) -> np.ndarray:
-        if k not in self._checked:
-            check_shard(self.paths[k], self._infos[k], self.vocab_size, checksum=True)
-            self._checked.add(k)
-        return open_shard(self.paths[k])
-
-    def window(self, i: int) -> np.ndarray:
-        return self.windows([i])[0]
+    def _check_ids(self, ids: np.ndarray, k: int) -> None:
+        # An id past the vocabulary would index outside the embedding (on CUDA, an opaque
+        # device-side assert): name the shard instead. Costs one max over tokens already read.
+        if ids.size and (top := int(ids.max())) >= self.vocab_size:
+            raise ShardError(
+                f"shard {self.paths[k]} holds token id {top} >= vocab size {self.vocab_size} "
+                f"(corrupted); run `lmforge prepare --verify {self.paths[k].parent}` and re-run "
+                "`lmforge prepare` to rebuild the damaged shard")
 
 
 def _split_xy(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

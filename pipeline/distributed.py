@@ -3,15 +3,20 @@
 Works unchanged under plain `python` (one process, no process group), `torchrun` (one node or
 several) and `accelerate launch` (which starts the workers through torchrun's machinery and sets
 the same RANK / WORLD_SIZE / LOCAL_RANK variables).
+
+LMFORGE_DIST_TIMEOUT_MIN (default 30) bounds how long a collective may wait for a rank.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pipeline.hardware import configure_cuda
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,18 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     device = pick_device(requested_device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        configure_cuda()
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # A rank that died or hangs makes the others fail after this timeout with an error
+        # naming the collective, instead of holding every GPU until the job's wall-clock limit;
+        # generous, because a first compile or a checkpoint save legitimately takes minutes.
+        timeout = timedelta(minutes=float(os.environ.get("LMFORGE_DIST_TIMEOUT_MIN", "30")))
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timeout,
+            # Binds the NCCL communicator to this rank's GPU up front (no guessing in barrier).
+            device_id=device if device.type == "cuda" else None,
+        )
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 

@@ -5,18 +5,16 @@
   when enabled. Train loss is logged as `loss`, validation loss as `val_loss` (what `plot_losses`
   reads).
 - `Progress`: a tqdm bar with loss, lr, tokens/s, MFU and ETA, and a log line every log_every steps.
-- `peak_flops`: the device's peak for MFU, from a per-GPU table (CUDA) or measured once (CPU).
+- `peak_flops`: the device's peak for MFU in the computed dtype (`pipeline.hardware`), logged.
 - `plot_losses`: the end-of-run loss curve as a PNG.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -161,73 +159,23 @@ class Progress:
             get_logger().info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | "
                               f"{stats} | ETA {eta}")
 
+    def set_length(self, total_steps: int, log_every: int) -> None:
+        """A run whose length was fixed after it started (a time budget, pipeline/budget.py)."""
+        self.total_steps, self.log_every = total_steps, log_every
+        self._bar.total = total_steps
+        self._bar.refresh()
+
     def close(self) -> None:
         self._bar.close()
 
 
-# Dense (no sparsity) peak FLOP/s from NVIDIA's datasheets; bf16/fp16 tensor cores accumulating
-# in fp32 (GeForce cards run those at half their fp16-accumulate rate). Searched in order, so a
-# more specific name comes first; \b keeps "A10" from matching "A100" or "A10G".
-_GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
-    (r"H200 NVL", "H200 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
-    (r"H200", "H200 SXM", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
-    (r"H100 NVL", "H100 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
-    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12}),
-    (r"H100", "H100 SXM", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
-    (r"A100", "A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    (r"\bA10\b", "A10", {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    (r"L40S", "L40S", {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
-    (r"\bL4\b", "L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
-    (r"RTX 4090", "RTX 4090", {"bf16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12}),
-    (r"RTX 3090", "RTX 3090", {"bf16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12}),
-]
-
-
-def _cuda_peak(device: torch.device, dtype: torch.dtype) -> float | None:
-    name = torch.cuda.get_device_name(device)
-    if dtype in (torch.bfloat16, torch.float16):
-        kind = "bf16"
-    else:  # fp32 matmuls run on tensor cores as TF32 unless the precision is "highest"
-        kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    for pattern, label, peaks in _GPU_PEAKS:
-        if re.search(pattern, name):
-            get_logger().info(f"MFU relative to the {label} dense {kind} peak, "
-                              f"{peaks[kind] / 1e12:.0f} TFLOP/s")
-            return peaks[kind]
-    get_logger().warning(f"no peak FLOP/s known for '{name}'; MFU is not reported")
-    return None
-
-
-def _cpu_peak(dtype: torch.dtype) -> float:
-    """Best matmul FLOP/s over ~0.5 s, with the threads torch uses; an upper bound in practice."""
-    n = 512
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    best, deadline = 0.0, time.perf_counter() + 0.5
-    while time.perf_counter() < deadline:
-        t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
-    get_logger().info(f"MFU relative to this CPU's measured {dtype} matmul peak, "
-                      f"{best / 1e9:.0f} GFLOP/s ({torch.get_num_threads()} threads)")
-    return best
-
-
-@functools.cache
-def _peak(device_type: str, index: int | None, dtype: torch.dtype, precision: str) -> float | None:
-    if device_type == "cuda":
-        return _cuda_peak(torch.device("cuda", index), dtype)
-    if device_type == "cpu":
-        return _cpu_peak(dtype)
-    return None
-
-
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of `device` for matmuls in `dtype` (None if unknown); logs which peak it is.
+    """Peak FLOP/s of `device` for matmuls in `dtype` (None if unknown), logging which peak it
+    is; `dtype` must be the one the run computes in. See `pipeline.hardware.matmul_peak`."""
+    from pipeline.hardware import matmul_peak, peak_note  # hardware logs through this module
 
-    Cached: the CPU measurement runs once per dtype. MFU = achieved FLOP/s / this.
-    """
-    device = torch.device(device)
-    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())
+    get_logger().info(peak_note(device, dtype))
+    return matmul_peak(device, dtype)
 
 
 def _read_losses(metrics_jsonl: Path, key: str) -> tuple[list[int], list[float]]:

@@ -1,12 +1,22 @@
-"""AdamW with weight decay on matrices only, and the learning-rate schedules.
+"""The optimizers (AdamW, or Muon + AdamW) and the learning-rate schedules.
+
+optim.name = "adamw": one AdamW, weight decay on matrices only.
+optim.name = "muon": torch.optim.Muon for the transformer blocks' 2-D matrices, AdamW (at
+optim.lr) for the tied token embedding / LM head and the norm gains. Muon replaces each matrix's
+momentum by the nearest semi-orthogonal matrix (Newton–Schulz), so every direction of the update
+moves at the same rate; embeddings (a lookup, not a linear map of the residual stream) and 1-D
+gains keep Adam. Both are stepped as one `Optimizers`, which DCP's get_state_dict/set_state_dict
+take as an iterable of optimizers, so a checkpoint holds (and resumes) both states.
 
 The schedule is a pure function of the step, so it needs no state of its own in a checkpoint:
-resuming at step s gives exactly the learning rate an uninterrupted run had at step s.
+resuming at step s gives exactly the learning rates (and Muon momentum) an uninterrupted run had.
+Each group follows the same multiplier of its own peak: optim.lr for AdamW, optim.muon_lr for Muon.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -14,11 +24,30 @@ from torch import nn
 from pipeline.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    ns_dtype: torch.dtype = torch.float32):
+    """AdamW, or (optim.name = "muon") Muon + AdamW as one `Optimizers`.
+
+    ns_dtype: Muon's Newton–Schulz precision (torch's own is bf16, which CPUs without bf16
+    matmuls emulate at several times the cost of fp32); the trainer passes its compute dtype."""
+    if cfg.name == "adamw":
+        return _adamw(model.parameters(), cfg, device)
+    matrices = [p for name, p in model.named_parameters()
+                if p.requires_grad and ".blocks." in f".{name}" and p.ndim == 2]
+    chosen = {id(p) for p in matrices}
+    others = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    muon = Muon(
+        [{"params": matrices, "kind": "muon"}], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype,
+    )
+    return Optimizers(_adamw(others, cfg, device), muon)
+
+
+def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     # Decay only matrices (linear weights, embeddings); norms' gains are 1-D and decaying them
     # towards zero only fights the normalisation.
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [
@@ -31,28 +60,124 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     )
 
 
-def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine or WSD.
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon, with Newton–Schulz in `ns_dtype`.
 
-    cosine: decays from lr to lr*min_lr_ratio over the steps after warmup.
-    wsd (warmup-stable-decay): holds lr, then decays linearly to the floor over the last
+    bf16 runs torch's own step unchanged. fp32 runs the same update (EMA momentum, Nesterov,
+    decoupled weight decay, torch's default shape scaling sqrt(max(1, rows/cols))) with the
+    orthogonalisation in fp32: on CPUs without bf16 matmuls that is several times faster, and
+    it keeps fp32 runs reproducible across world sizes to fp32 rounding."""
+
+    def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                ortho = orthogonalize(update.float(), group["ns_coefficients"],
+                                      group["ns_steps"], group["eps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(ortho.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])))
+        return None
+
+
+def orthogonalize(g_MN: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+    """Quintic Newton–Schulz towards U V^T of g = U S V^T (torch.optim.Muon's iteration)."""
+    a, b, c = coefficients
+    tall = g_MN.size(0) > g_MN.size(1)
+    x = g_MN.T if tall else g_MN  # iterate on the wide side: the Gram matrix is the smaller one
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Optimizers:
+    """Several optimizers stepped as one. Iterating yields them, which is what
+    torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict accept."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+def lr_multiplier(step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """Fraction of the peak learning rate at optimizer step `step` (0-based): linear warmup
+    reaching the peak at its last step, then cosine or WSD down to min_lr_ratio at the last step.
+
+    cosine: decays from the peak (held one step) to the floor over the steps after warmup.
+    wsd (warmup-stable-decay): holds the peak, then decays linearly to the floor over the last
     `decay_fraction` of the run — a run can be extended from a stable-phase checkpoint.
     """
-    floor = cfg.lr * cfg.min_lr_ratio
+    floor = cfg.min_lr_ratio
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
         decay_steps = max(1, round(cfg.decay_fraction * max_steps))
         decay_start = max_steps - decay_steps
         if step < decay_start:
-            return cfg.lr
+            return 1.0
         frac = min(1.0, (step - decay_start + 1) / decay_steps)
-        return cfg.lr + frac * (floor - cfg.lr)
-    span = max(1, max_steps - cfg.warmup_steps)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
-    return floor + 0.5 * (1.0 + math.cos(math.pi * frac)) * (cfg.lr - floor)
+        return 1.0 + frac * (floor - 1.0)
+    peak_step = max(cfg.warmup_steps - 1, 0)  # the last warmup step is the peak (step 0 without)
+    frac = min(1.0, (step - peak_step) / max(1, max_steps - 1 - peak_step))
+    return floor + 0.5 * (1.0 + math.cos(math.pi * frac)) * (1.0 - floor)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """AdamW's learning rate (optim.lr times the schedule) at `step`: the logged lr."""
+    return cfg.lr * lr_multiplier(step, max_steps, cfg)
+
+
+def muon_momentum_at(step: int, cfg: OptimConfig) -> float:
+    """Muon's momentum: linear from muon_momentum_start to muon_momentum over the warmup (the
+    first updates' gradients are large and fast-changing; averaging them over ~20 steps at 0.95
+    slows the start, as modded-nanogpt and nanochat found)."""
+    if step >= cfg.muon_momentum_warmup_steps:
+        return cfg.muon_momentum
+    frac = step / cfg.muon_momentum_warmup_steps
+    return cfg.muon_momentum_start + frac * (cfg.muon_momentum - cfg.muon_momentum_start)
+
+
+def set_lr(optimizer, multiplier: float, cfg: OptimConfig) -> None:
+    """Every group's lr = its own peak (optim.muon_lr for Muon groups, optim.lr otherwise) x the
+    schedule's multiplier. The peaks come from the config, never from a loaded optimizer state,
+    so a resumed run follows the config it was resumed with."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = (cfg.muon_lr if group.get("kind") == "muon" else cfg.lr) * multiplier
+
+
+def apply_schedule(optimizer, step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """Set every group's lr (and Muon's momentum) for optimizer step `step`; returns AdamW's lr."""
+    set_lr(optimizer, lr_multiplier(step, max_steps, cfg), cfg)
+    for group in optimizer.param_groups:
+        if group.get("kind") == "muon":
+            group["momentum"] = muon_momentum_at(step, cfg)
+    return lr_at(step, max_steps, cfg)

@@ -1,13 +1,16 @@
 """Apply activation checkpointing, torch.compile and DDP / FSDP2 to a plain `GPT` from outside.
 
 The model file knows nothing of any of this (torchtitan's pattern). The order is fixed:
-activation checkpointing -> compile -> data parallelism, each per transformer block, so that
-compiled regions line up with FSDP's all-gather units and a block is recomputed as one piece.
+activation checkpointing (per block) -> compile -> data parallelism. Compile covers the whole
+forward and the chunked LM-head loss, where most FLOPs and elementwise passes are; under FSDP2
+the compiled regions are its units instead (each block, then norm + head + loss), since FSDP's
+all-gather hooks run between them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -17,6 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT
 from pipeline.distributed import DistInfo
+from pipeline.metrics import get_logger
+
+log = get_logger()
 
 
 def resolve_parallel(requested: str, info: DistInfo) -> str:
@@ -27,9 +33,26 @@ def resolve_parallel(requested: str, info: DistInfo) -> str:
     return requested
 
 
-def resolve_compile(requested: str, device: torch.device) -> bool:
-    # Off by default on CPU: a cold compile costs ~30 s here, more than a demo run gains.
-    return device.type == "cuda" if requested == "auto" else requested == "on"
+# Cold compile (first step) of the whole forward + loss + backward, measured on a 2-core AVX2
+# CPU under load: 25-35 s for 2-4 layers (bench/train_bench.py prints it). Compile gains ~15 %
+# there, so it repays the cold compile once a run's eager time exceeds ~7 compiles; 10 leaves
+# margin for the extra eval graph and for CPUs where compile gains less.
+CPU_COLD_COMPILE_S = 30.0
+CPU_COMPILE_PAYBACK = 10.0
+
+
+def resolve_compile(
+    requested: str, device: torch.device, est_eager_run_s: float | None = None,
+    cold_compile_s: float = CPU_COLD_COMPILE_S,
+) -> bool:
+    """train.compile on|off|auto -> whether to compile. auto: always on CUDA; on CPU only when
+    the run's estimated eager time (seconds; None = unknown) is at least CPU_COMPILE_PAYBACK
+    times the cold compile, i.e. when the ~15 % compile gains repays the compile."""
+    if requested != "auto":
+        return requested == "on"
+    if device.type == "cuda":
+        return True
+    return est_eager_run_s is not None and est_eager_run_s >= CPU_COMPILE_PAYBACK * cold_compile_s
 
 
 def parallelize(
@@ -46,10 +69,7 @@ def parallelize(
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
     if compile_model:
-        # In-place Module.compile keeps parameter names free of an `_orig_mod.` prefix, so
-        # checkpoints load the same whether or not the run was compiled.
-        for block in model.blocks:
-            block.compile()
+        compile_regions(model, per_block=parallel == "fsdp")
     if parallel == "fsdp":
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters
         # the optimizer updates are the master weights.
@@ -66,6 +86,45 @@ def parallelize(
     return model
 
 
+def compile_regions(model: GPT, per_block: bool) -> None:
+    """torch.compile the forward + loss in place: Module.compile keeps parameter names free of an
+    `_orig_mod.` prefix, so checkpoints load the same whether or not the run was compiled.
+    dynamic=False: training's one shape and eval's one shape get a static graph each (eval
+    batches are padded to one shape), instead of a slower dynamic-shape graph after eval."""
+    if not per_block:
+        model.compile(dynamic=False)
+        return
+    for block in model.blocks:
+        block.compile(dynamic=False)
+    model.head_loss = torch.compile(model.head_loss, dynamic=False)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class RecompileWatch:
+    """Warns when torch.compile builds a graph after warm-up. Each phase ("train", "eval")
+    compiles on its first call; any later graph is a recompile (a guard failed: a new shape,
+    dtype or grad mode) that costs seconds every time it happens."""
+
+    def __init__(self):
+        self.seen_phases, self.graphs = set(), compiled_graphs()
+
+    def check(self, phase: str, step: int) -> int:
+        """Call after each phase; returns the graphs built since the last check."""
+        new = compiled_graphs() - self.graphs
+        self.graphs += new
+        if new and phase in self.seen_phases:
+            log.warning(
+                "step %d: torch.compile recompiled %d graph(s) during %s after warm-up; "
+                "rerun with TORCH_LOGS=recompiles to see which guard failed", step, new, phase,
+            )
+        self.seen_phases.add(phase)
+        return new
+
+
 def needs_autocast(parallel: str, bf16: bool) -> bool:
     # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-process use autocast.
     return bf16 and parallel != "fsdp"
@@ -78,11 +137,54 @@ def autocast(device: torch.device, enabled: bool):
 def grad_sync(model: nn.Module, parallel: str, sync: bool):
     """Context for one micro-step: gradients are reduced across ranks only when `sync`.
 
-    DDP's no_sync must wrap the forward as well as the backward (field lesson 3), which is why
-    this is a context around the whole micro-step, not a flag flipped before backward.
+    DDP's no_sync must wrap the forward as well as the backward (DDP's forward decides whether the
+    coming backward all-reduces), which is why this is a context around the whole micro-step,
+    not a flag flipped before backward.
     """
+    if TRACE_PREFIX:
+        _trace_collectives(model, parallel)
+        _trace(f"micro sync={int(sync)}")
     if parallel == "ddp" and not sync:
         return model.no_sync()
     if parallel == "fsdp":
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+# Test-only instrumentation (tests/test_accumulation.py): with LMFORGE_TRACE_GRAD_SYNC=PREFIX each
+# rank appends to PREFIX.rank<N> a line "micro sync=0|1" per micro-step and "reduce" per gradient
+# collective that DDP or FSDP launches, so a test can count the collectives of each optimizer
+# step. Unset (always, outside tests) it costs one `if` per micro-step.
+TRACE_PREFIX = os.environ.get("LMFORGE_TRACE_GRAD_SYNC")
+
+
+def _trace(event: str) -> None:
+    with open(f"{TRACE_PREFIX}.rank{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(event + "\n")
+
+
+def _trace_collectives(model: nn.Module, parallel: str) -> None:
+    """Once per model: wrap DDP's all-reduce / FSDP's reduce-scatter to log each call."""
+    # Imported here: only the tests reach this, and FSDP's comm class is private.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    if getattr(model, "_grad_sync_traced", False):
+        return
+    model._grad_sync_traced = True
+    if parallel == "ddp":
+        def traced_allreduce(process_group, bucket):
+            _trace("reduce")
+            return allreduce_hook(process_group, bucket)
+
+        model.register_comm_hook(None, traced_allreduce)
+    elif parallel == "fsdp":
+        class TracedReduceScatter(DefaultReduceScatter):
+            def __call__(self, *args, **kwargs):
+                _trace("reduce")
+                return super().__call__(*args, **kwargs)
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(TracedReduceScatter())

@@ -26,7 +26,7 @@ def gpt2_tiktoken() -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A small slice of the built-in corpus with a 512-id trained BPE (the demo's path, smaller)."""
-    from data_prep.cli import main as prepare
+    from launch.prepare import main as prepare
 
     out = tmp_path_factory.mktemp("data") / "pystdlib"
     rc = prepare([

@@ -76,7 +76,7 @@ def test_unknown_file_key_suggests(tmp_path, text, key, suggestion):
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--train.dtype", "fp16"], "'train.dtype': 'fp16' (expected one of 'bf16' | 'fp32')"),
+    (["--train.dtype", "fp16"], "'train.dtype': 'fp16' (expected one of 'auto' | 'bf16' | 'fp32')"),
     (["--train.max_steps", "ten"], "'train.max_steps': 'ten' (expected int)"),
     (["--train.max_steps", "0"], "'train.max_steps': 0 (expected >= 1)"),
     (["--optim.lr", "nan"], "'optim.lr': nan"),

@@ -58,10 +58,11 @@ def test_windows_span_shards(data):
     w = TokenWindows(data, "train", SEQ, VOCAB)
     assert w.num_tokens == 448 and w.num_windows == (448 - 1) // SEQ
     for i in range(w.num_windows):  # shard boundaries at 100, 137, 387, 388
-        assert w.window(i).dtype == np.int64
-        assert w.window(i).tolist() == list(range(i * SEQ, i * SEQ + SEQ + 1))
+        (window,) = w.windows([i])
+        assert window.dtype == np.int64
+        assert window.tolist() == list(range(i * SEQ, i * SEQ + SEQ + 1))
     with pytest.raises(IndexError):
-        w.window(w.num_windows)
+        w.windows([w.num_windows])
     assert w.tokens(95, 140).tolist() == list(range(95, 140))
     assert w.tokens(0, w.num_tokens).tolist() == list(range(448))
 

@@ -15,17 +15,20 @@ import numpy as np
 import pytest
 
 from data_prep import shards as S
-from data_prep.cli import main
 from data_prep.tokenizer import EOT, load_tokenizer, load_tokenizer_dir, token_byte_lengths
+from launch.prepare import main
 
 GPT2 = Path(__file__).resolve().parents[2] / "shared/tokenizers/gpt2.tiktoken"
 needs_gpt2 = pytest.mark.skipif(not GPT2.is_file(), reason=f"GPT-2 vocabulary not found at {GPT2}")
 ENV = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data_prep", *args], capture_output=True,
-                          text=True, timeout=timeout, env=ENV)
+LMFORGE = [sys.executable, "-m", "launch.cli"]
+
+
+def run_cli(*args: str, command: str = "prepare", timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*LMFORGE, command, *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
 
 
 def prep(out: Path, *args: str) -> S.Manifest:
@@ -117,7 +120,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
               "--workers", "1", "--quiet"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert run_cli("--out", str(ref), *common).returncode == 0
-    proc = subprocess.Popen([sys.executable, "-m", "data_prep", "--out", str(out), *common],
+    proc = subprocess.Popen([*LMFORGE, "prepare", "--out", str(out), *common],
                             env=ENV, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while not (out / "train_000001.bin").exists() and time.time() < deadline:
@@ -286,9 +289,7 @@ def test_sources(tmp_path, kind):
 @needs_gpt2
 def test_inspect_and_missing_manifest(tmp_path):
     prep(tmp_path / "out", "--tokenizer", str(GPT2), "--max-docs", "5")
-    r = subprocess.run([sys.executable, "-m", "data_prep", "inspect", str(tmp_path / "out"),
-                        "--tokens", "50", "--seed", "0"], capture_output=True, text=True,
-                       timeout=60)
+    r = run_cli(str(tmp_path / "out"), "--tokens", "50", "--seed", "0", command="inspect")
     assert r.returncode == 0 and "tokenizer gpt2" in r.stdout and "tokens [" in r.stdout
-    r = run_cli("inspect", str(tmp_path / "missing"))
+    r = run_cli(str(tmp_path / "missing"), command="inspect")
     assert_one_line_error(r, "lmforge prepare")

@@ -1,6 +1,6 @@
 """Distributed training for real: torchrun / accelerate on CPU with gloo, 2 processes.
 
-What these show (issue 4): DDP on 2 ranks == 1 rank with 2 accumulation steps; FSDP == DDP;
+What these show: DDP on 2 ranks == 1 rank with 2 accumulation steps; FSDP == DDP;
 SIGKILL + --resume auto reproduces an uninterrupted run exactly (DDP and FSDP); checkpoints
 reshard 2 -> 1 and 1 -> 2 ranks; accelerate launch and a 2-node rendezvous give the same losses.
 """
@@ -166,7 +166,7 @@ def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
         kill_group(proc)
     assert proc.returncode == 0, out[-3000:]
     saved = ckpt.list_complete(run_dir / "checkpoints")
-    assert saved and ckpt.read_meta(saved[-1])["step"] >= 3, out[-2000:]
+    assert saved and ckpt.read_meta(saved[-1]).step >= 3, out[-2000:]
 
 
 def test_config_typo_is_one_line_before_any_rank_starts():
@@ -180,7 +180,9 @@ def test_config_typo_is_one_line_before_any_rank_starts():
 
 def test_fsdp_bf16_mixed_precision_tracks_ddp_autocast(tiny_data, tmp_path):
     """bf16 compute both ways: FSDP2 casts parameters (MixedPrecisionPolicy, fp32 reduction),
-    DDP runs under autocast; rounding differs, so the curves agree to bf16 precision only."""
+    DDP runs under autocast; the matmuls round differently, but both compute the loss in fp32
+    (under FSDP there is no autocast: the chunked head upcasts). Measured 4.1e-4 over 12 steps
+    (a loss rounded to bf16, as before issue 9.1's fix: 4.2e-2)."""
     curves = {}
     for parallel in ("ddp", "fsdp"):
         out = tmp_path / parallel
@@ -188,4 +190,4 @@ def test_fsdp_bf16_mixed_precision_tracks_ddp_autocast(tiny_data, tmp_path):
                        "--train.max_steps", "12", "--checkpoint.every", "0"), nproc=2)
         curves[parallel] = losses(out)
     assert curves["fsdp"][12] < curves["fsdp"][1] - 0.5  # it learns
-    assert_close(curves["fsdp"], curves["ddp"], 5e-2)
+    assert_close(curves["fsdp"], curves["ddp"], 2e-3)

@@ -16,7 +16,8 @@ from launch.cli import main as lmforge
 from launch.export import EXPORT_MARKER
 from launch.sample import decode_stream
 from model import GPT, ModelConfig
-from pipeline.checkpoint import save_consolidated
+from pipeline.checkpoint import CheckpointMeta, save_consolidated
+from pipeline.config import config_from_dict
 from pipeline.data import IGNORE_INDEX, TokenWindows
 from pipeline.evaluate import eval_batches
 
@@ -30,9 +31,9 @@ def make_checkpoint(out: Path, data: Path, *, d_model: int = 64) -> Path:
                       max_seq_len=64)
     torch.manual_seed(0)
     model = GPT(cfg)
-    meta = {"step": 7, "model": cfg.to_dict(),
-            "config": {"data": {"seq_len": SEQ_LEN}, "eval": {"batch_size": 3}}}
-    return save_consolidated(out, model.state_dict(), meta, data / "tokenizer", cfg)
+    job = config_from_dict({"data": {"seq_len": SEQ_LEN}, "eval": {"batch_size": 3}})
+    meta = CheckpointMeta(step=7, model=cfg, config=job, lineage="test")
+    return save_consolidated(out, model.state_dict(), meta, data / "tokenizer")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,7 +108,7 @@ def test_eval_prints_and_writes_json(ckpt, tiny_data, tmp_path, capsys):
 
 
 def test_eval_refuses_other_tokenizer(ckpt, tmp_path, capsys):
-    from data_prep.cli import main as prepare
+    from launch.prepare import main as prepare
 
     other = tmp_path / "other"
     assert prepare(["--source", "builtin:pystdlib", "--tokenizer", "bpe:300", "--out", str(other),

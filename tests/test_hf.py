@@ -1,4 +1,9 @@
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 203  # not a multiple of 64: the padding rows must be dropped and restored
 TOL = 1e-4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_model(n_kv_head: int, tie: bool = True) -> GPT:
@@ -19,7 +25,10 @@ def make_model(n_kv_head: int, tie: bool = True) -> GPT:
         vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=n_kv_head, d_model=64,
         max_seq_len=64, rope_theta=500.0, norm_eps=1e-6, tie_embeddings=tie,
     )
-    model = GPT(cfg)
+    return with_large_weights(GPT(cfg))
+
+
+def with_large_weights(model: GPT) -> GPT:
     # Weights large enough that attention is far from uniform, so a RoPE or head-layout mistake
     # moves the logits well past the tolerance (see test_wrong_rope_layout_is_caught).
     with torch.no_grad():
@@ -110,3 +119,135 @@ def test_import_refuses_unsupported_variants(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope_type"):
         import_hf(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# The export read by the oldest transformers pyproject allows (>= 4.45) as well as the installed
+# one: 4.x reads a top-level rope_theta (and defaults to 10000 without it) and needs eos in
+# config.json / generation_config.json to stop generating at end-of-text.
+
+OLDEST_TRANSFORMERS = ["transformers==4.45.2", "tokenizers==0.20.3", "huggingface_hub==0.36.2"]
+OLD_CACHE = Path(sys.prefix) / "lmforge-test-cache" / "-".join(OLDEST_TRANSFORMERS).replace("=", "")
+LONG_ROPE_THETA = 500_000.0
+
+
+def hf_check(out_dirs: list[Path], io: dict) -> list[dict]:
+    """What the transformers on sys.path makes of each exported directory. Runs in this process
+    for the installed version, in a fresh one (`python -m tests.test_hf`) for the oldest."""
+    results = []
+    for out_dir in out_dirs:
+        model = transformers.AutoModelForCausalLM.from_pretrained(out_dir).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(out_dir)
+        prompt = io["prompt"]
+        with torch.no_grad():
+            logits = model(io["idx"]).logits
+            gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8)
+        results.append({
+            "version": transformers.__version__,
+            "max_diff": (logits - io["logits"]).abs().max().item(),
+            "generated": gen[0, prompt.shape[1]:].tolist(),
+            "config_eos": model.config.eos_token_id,
+            "generation_eos": model.generation_config.eos_token_id,
+            "tokenizer_eos": tok.eos_token_id,
+            "encoded": tok.encode(io["text"], add_special_tokens=False),
+        })
+    return results
+
+
+def oldest_transformers() -> Path:
+    """The oldest allowed transformers, pip-installed once into the environment's cache."""
+    if OLD_CACHE.is_dir():
+        return OLD_CACHE
+    tmp = OLD_CACHE.with_name(OLD_CACHE.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # --no-deps: torch, safetensors, numpy, regex, requests... come from the environment.
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                          "--disable-pip-version-check", "--target", str(tmp), *OLDEST_TRANSFORMERS],
+                         capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        reason = f"cannot pip-install {OLDEST_TRANSFORMERS}: {res.stderr.strip()[-500:]}"
+        if os.environ.get("CI"):
+            pytest.fail(reason)  # CI has PyPI: a missing old version must not pass silently
+        pytest.skip(reason)
+    tmp.rename(OLD_CACHE)
+    return OLD_CACHE
+
+
+def hf_check_oldest(out_dirs: list[Path], io: dict) -> list[dict]:
+    io_path = out_dirs[0].parent / "io.pt"
+    torch.save(io, io_path)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(oldest_transformers()), str(ROOT)])
+    res = subprocess.run([sys.executable, "-m", "tests.test_hf", str(io_path), *map(str, out_dirs)],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
+    """Reference greedy decoding: the full forward at every step, no cache."""
+    idx = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            idx = torch.cat([idx, model(idx)[:, -1:].argmax(-1)], dim=1)
+    return idx[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def long_rope_export(tiny_data, tmp_path_factory):
+    """`lmforge export` of a GPT with rope_theta = 500000 on the tiny dataset's tokenizer, and
+    the inputs/outputs the transformers side must reproduce."""
+    from data_prep.tokenizer import eot_id, load_tokenizer_dir
+    from launch.cli import main as lmforge
+    from pipeline.checkpoint import CheckpointMeta, save_consolidated
+    from pipeline.config import JobConfig
+
+    enc = load_tokenizer_dir(tiny_data / "tokenizer")
+    cfg = ModelConfig(vocab_size=enc.n_vocab, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                      max_seq_len=64, rope_theta=LONG_ROPE_THETA)
+    torch.manual_seed(0)
+    model = with_large_weights(GPT(cfg))
+    root = tmp_path_factory.mktemp("export")
+    meta = CheckpointMeta(step=1, model=cfg, config=JobConfig(), lineage="test")
+    save_consolidated(root / "final", model.state_dict(), meta, tiny_data / "tokenizer")
+    assert lmforge(["export", "--ckpt", str(root / "final"), "--hf", str(root / "hf")]) == 0
+    torch.manual_seed(1)
+    idx = torch.randint(0, enc.n_vocab, (2, 40))
+    with torch.no_grad():
+        logits = model(idx)
+    # The stop token: the first greedy token not produced before it, so the expected output is
+    # exactly the greedy tokens up to and including it.
+    prompt = [eot_id(enc), *enc.encode_ordinary("def main(")]
+    ours = greedy(model, prompt, 8)
+    stop_at = next(i for i in range(2, 8) if ours[i] not in ours[:i])
+    text = "import os\nx = 12345 + y  # héllo"
+    io = {"idx": idx, "logits": logits, "prompt": torch.tensor([prompt]), "text": text}
+    return model, root / "hf", io, ours[: stop_at + 1], enc.encode_ordinary(text), eot_id(enc)
+
+
+@pytest.mark.parametrize("which", ["installed", "oldest"])
+def test_export_parity_and_eos_on_oldest_and_newest_transformers(long_rope_export, which):
+    model, out_dir, io, expected, encoded, eot = long_rope_export
+    written = json.loads((out_dir / "config.json").read_text())
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == LONG_ROPE_THETA
+    generation = json.loads((out_dir / "generation_config.json").read_text())
+    assert written["eos_token_id"] == generation["eos_token_id"] == eot
+    # The stop token is forced to be the model's 3rd..8th greedy token: re-export with it as eos.
+    stop_dir = out_dir.parent / f"stop_{which}"
+    export_hf(model, model.cfg, stop_dir, eos_token_id=expected[-1])
+    shutil.copy(out_dir / "tokenizer.json", stop_dir)
+    shutil.copy(out_dir / "tokenizer_config.json", stop_dir)
+    check = hf_check_oldest if which == "oldest" else hf_check
+    stopped, exported = check([stop_dir, out_dir], io)
+    if which == "oldest":
+        assert stopped["version"] == OLDEST_TRANSFORMERS[0].split("==")[1]
+    assert stopped["max_diff"] < TOL, stopped
+    assert stopped["generated"] == expected, "generate() must stop right after the eos token"
+    # The lmforge export itself: eos is end-of-text, in the config and the tokenizer alike.
+    assert exported["max_diff"] < TOL
+    assert exported["config_eos"] == exported["generation_eos"] == exported["tokenizer_eos"] == eot
+    assert exported["encoded"] == encoded
+
+
+if __name__ == "__main__":  # hf_check_oldest's subprocess: IO_PATH OUT_DIR...
+    print(json.dumps(hf_check([Path(d) for d in sys.argv[2:]], torch.load(sys.argv[1]))))

@@ -5,11 +5,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
-from pipeline import metrics
-from pipeline.metrics import MetricsLogger, Progress, peak_flops, plot_losses, setup_logging
+from pipeline.metrics import MetricsLogger, Progress, plot_losses, setup_logging
 
 
 def test_jsonl_written_by_rank_0_only(tmp_path):
@@ -86,44 +84,6 @@ def test_progress_logs_every_n_steps(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert [line.split(" |")[0] for line in lines] == ["step 3/7", "step 6/7", "step 7/7"]
     assert "1,234 tok/s" in lines[0] and "MFU 12.5%" in lines[0] and "ETA" in lines[0]
-
-
-def test_cpu_peak_is_measured_once():
-    peak = peak_flops(torch.device("cpu"), torch.float32)
-    assert peak > 1e8
-    assert peak_flops(torch.device("cpu"), torch.float32) == peak  # cached, not re-measured
-
-
-@pytest.mark.parametrize("name,dtype,expected", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
-    ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
-    ("NVIDIA H200", torch.bfloat16, 989e12),
-    ("NVIDIA A100-SXM4-80GB", torch.float32, 19.5e12),  # default precision "highest": no TF32
-    ("NVIDIA A10", torch.bfloat16, 125e12),
-    ("NVIDIA A10G", torch.bfloat16, None),
-    ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165e12),
-    ("Some Future GPU", torch.bfloat16, None),
-])
-def test_gpu_peak_table(monkeypatch, name, dtype, expected):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    metrics._peak.cache_clear()
-    try:
-        assert peak_flops(torch.device("cuda", 0), dtype) == expected
-    finally:
-        metrics._peak.cache_clear()
-
-
-def test_fp32_peak_follows_matmul_precision(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    before = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("highest")
-        assert peak_flops(torch.device("cuda", 0), torch.float32) == 67e12
-        torch.set_float32_matmul_precision("high")
-        assert peak_flops(torch.device("cuda", 0), torch.float32) == 495e12
-    finally:
-        torch.set_float32_matmul_precision(before)
-        metrics._peak.cache_clear()
 
 
 def test_plot_losses_png(tmp_path):

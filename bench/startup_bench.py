@@ -1,0 +1,99 @@
+"""Training loader start-up against the number of shards: header reads, not bytes hashed.
+
+    python bench/startup_bench.py [--shards 10 1000] [--shard-tokens 131072] [--rounds 3]
+
+Writes N equal shards (so the dataset grows with N), then times what a rank does before its
+first steps: open the split (TokenWindows: every shard's header and size), build the loader and
+read rank 0's micro-batches of the first STEPS steps (world size 8, so a step's windows fall
+across most shards, as with a real global random order). The reference, measured in the same run
+and interleaved round by round, is the previous behaviour: each shard's sha256 on its first read.
+Prints the median (and min-max) per N and the ratio largest N / smallest N for both: flat for the
+loader, growing with the bytes for the reference. The page cache holds the shards, so the
+reference's figure is hashing alone, a lower bound of its cost on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data_prep import shards as S  # noqa: E402
+from pipeline.data import TokenWindows, TrainLoader  # noqa: E402
+
+VOCAB, SEQ_LEN, MICRO, ACCUM, WORLD, STEPS = 50257, 1024, 8, 4, 8, 4
+
+
+class HashingWindows(TokenWindows):
+    """The previous loader: a shard's sha256 checked the first time this process reads it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._infos = [s for s in S.load_manifest(args[0]).shards if s.split == self.split]
+        self._hashed: set[int] = set()
+
+    def _read(self, start, stop, shards):
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.starts, stop - 1, side="right")) - 1
+        for k in range(first, last + 1):
+            if k not in self._hashed:
+                S.check_shard(self.paths[k], self._infos[k], self.vocab_size, checksum=True)
+                self._hashed.add(k)
+        return super()._read(start, stop, shards)
+
+
+def make_dataset(root: Path, n: int, shard_tokens: int) -> Path:
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(n)
+    infos = []
+    for k in range(n):
+        name = S.shard_name("train", k)
+        sha = S.write_shard(root / name, rng.integers(0, VOCAB, shard_tokens, dtype=np.uint16), VOCAB)
+        infos.append(S.ShardInfo(file=name, split="train", tokens=shard_tokens, documents=1, sha256=sha))
+    S.Manifest(version=S.FORMAT_VERSION, vocab_size=VOCAB, eot_id=0, tokenizer={}, source="bench",
+               args={}, shards=infos).save(root)
+    return root
+
+
+def start_up(data: Path, windows_cls: type[TokenWindows]) -> float:
+    t0 = time.perf_counter()
+    loader = TrainLoader(windows_cls(data, "train", SEQ_LEN, VOCAB), MICRO, ACCUM, 0, WORLD, seed=0)
+    for _ in range(STEPS):
+        loader.next_micro_batches()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shards", type=int, nargs="+", default=[10, 1000])
+    p.add_argument("--shard-tokens", type=int, default=131072)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = {n: make_dataset(Path(tmp) / f"n{n}", n, args.shard_tokens) for n in args.shards}
+        times = {(kind, n): [] for kind in ("loader", "reference") for n in args.shards}
+        for _ in range(args.rounds):  # interleaved: load drifts hit both alike
+            for n in args.shards:
+                times["loader", n].append(start_up(data[n], TokenWindows))
+                times["reference", n].append(start_up(data[n], HashingWindows))
+    mb = args.shard_tokens * 2 / 2**20
+    print(f"start-up = open split + rank 0 of {WORLD}'s first {STEPS} steps; shards of {mb:.2f} MiB; "
+          f"median (min-max) of {args.rounds} rounds")
+    for kind, label in (("loader", "header + size check (now)"), ("reference", "sha256 on first read (before)")):
+        cells = [f"{n:>5} shards {statistics.median(times[kind, n]) * 1e3:8.1f} ms "
+                 f"({min(times[kind, n]) * 1e3:.1f}-{max(times[kind, n]) * 1e3:.1f})" for n in args.shards]
+        lo, hi = min(args.shards), max(args.shards)
+        ratio = statistics.median(times[kind, hi]) / statistics.median(times[kind, lo])
+        print(f"{label:32s} " + " | ".join(cells) + f" | {hi}/{lo} shards: x{ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""`lmforge prepare --merge DIR...`: join the outputs of `--part 1/N ... N/N` into one dataset.
+
+Every part must come from one prepare run (same arguments but --part, same tokenizer); the
+shards are renumbered part by part (hard links where possible) under one manifest, so the result
+is what one run over the whole input would have produced, up to the order of the shards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from data_prep.errors import DataError
+from data_prep.prepare import TOKENIZER_DIR, part_slice, resume_state, save_state
+from data_prep.shards import (
+    FORMAT_VERSION,
+    SPLITS,
+    Manifest,
+    ShardInfo,
+    load_manifest,
+    shard_name,
+)
+
+
+def merge(dirs: list[Path], out: Path) -> Manifest:
+    """Join the part directories `dirs` (any order) into `out`; a no-op when already done."""
+    parts = ordered_parts([load_manifest(d) for d in dirs])
+    identity = {k: v for k, v in parts[0].args.items() if k != "part"}
+    identity |= {"part": None, "merged_parts": len(parts)}
+    finished, _ = resume_state(out, identity)
+    if finished:
+        return load_manifest(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_state(out, identity, [])
+    shutil.copytree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
+    m0 = parts[0]
+    stats = {k: sum(m.stats.get(k, 0) for m in parts) for k in m0.stats if k != "val_threshold"}
+    merged = Manifest(version=FORMAT_VERSION, vocab_size=m0.vocab_size, eot_id=m0.eot_id,
+                      tokenizer=m0.tokenizer, source=m0.source, args=identity,
+                      stats=stats | {"val_threshold": m0.stats.get("val_threshold")},
+                      dtype=m0.dtype, shards=link_shards(parts, out), data_dir=out)
+    merged.save(out)
+    return merged
+
+
+def ordered_parts(parts: list[Manifest]) -> list[Manifest]:
+    """The manifests sorted by part index; DataError unless they are parts 1/N..N/N of one run."""
+    def rest(m: Manifest) -> dict:
+        return {k: v for k, v in m.args.items() if k != "part"}
+
+    for m in parts:
+        if rest(m) != rest(parts[0]) or m.tokenizer != parts[0].tokenizer:
+            raise DataError(f"{m.data_dir} was prepared with other arguments or tokenizer than "
+                            f"{parts[0].data_dir}; merge only parts of one prepare run")
+    slices = [part_slice(m.args.get("part")) for m in parts]
+    n = slices[0][1]
+    if sorted(slices) != [(i, n) for i in range(n)]:
+        have = ", ".join(str(m.args.get("part")) for m in parts)
+        raise DataError(f"--merge needs each of parts 1/{n}..{n}/{n} exactly once, got {have}")
+    return [m for _, m in sorted(zip(slices, parts, strict=True), key=lambda x: x[0])]
+
+
+def link_shards(parts: list[Manifest], out: Path) -> list[ShardInfo]:
+    """Each split's shards of all parts, in part order, renumbered into `out`."""
+    infos = []
+    for sp in SPLITS:
+        shards = [(m, s) for m in parts for s in m.shards if s.split == sp]
+        for i, (m, s) in enumerate(shards):
+            name = shard_name(sp, i)
+            _link_or_copy(m.data_dir / s.file, out / name)
+            infos.append(ShardInfo(name, sp, s.tokens, s.documents, s.sha256))
+    return infos
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:  # another filesystem
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)

@@ -1,0 +1,149 @@
+"""`lmforge env`: what this machine is and what lmforge will do on it. Run it first when
+something is slow or fails, and paste it into bug reports.
+
+    lmforge env            # human-readable
+    lmforge env --json     # the same facts for scripts
+
+It measures (about 2-4 s on a CPU): whether bf16 matmul is native here (the probe `auto` uses)
+and the matmul peak that MFU is relative to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+
+import torch
+import torch.distributed as dist
+
+from pipeline import hardware
+from pipeline.parallelize import resolve_compile
+
+PACKAGES = ("numpy", "transformers", "datasets", "tiktoken", "safetensors", "accelerate", "wandb")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def torch_build() -> dict:
+    if torch.version.cuda:
+        build = f"CUDA {torch.version.cuda}"
+    elif getattr(torch.version, "hip", None):
+        build = f"ROCm {torch.version.hip}"
+    else:
+        build = "CPU only"
+    return {"version": torch.__version__, "build": build,
+            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None}
+
+
+def gpus() -> list[dict]:
+    out = []
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        out.append({
+            "index": i, "name": props.name,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "compute_capability": f"{props.major}.{props.minor}",
+            "bf16": props.major >= 8,  # bf16 tensor cores: Ampere (8.0) and later
+        })
+    return out
+
+
+def cpu() -> dict:
+    flags = hardware.cpu_flags()
+    probe = hardware.cpu_bf16()
+    return {
+        "model": hardware.cpu_model(),
+        "capability": hardware.cpu_capability(),
+        "avx2": "avx2" in flags, "avx512": "avx512f" in flags,
+        "amx": "amx_tile" in flags,
+        "bf16_native": probe.native, "bf16_evidence": probe.evidence,
+        "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    }
+
+
+def auto_choices(device: torch.device) -> dict:
+    dtype, why = hardware.auto_dtype(device)
+    peaks = {}
+    for d in dict.fromkeys([dtype, torch.float32]):  # the auto dtype's peak, and fp32's
+        peak = hardware.matmul_peak(device, d)
+        peaks[hardware.dtype_name(d)] = None if peak is None else round(peak / 1e9, 1)
+    return {
+        "device": str(device),
+        "dtype": hardware.dtype_name(dtype), "dtype_why": why,
+        "compile": resolve_compile("auto", device),
+        "matmul_peak_gflops": peaks,
+    }
+
+
+def collect() -> dict:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        hardware.configure_cuda()  # as training runs: the fp32 peak is then TF32's
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch_build(),
+        "gpus": gpus(),
+        "cpu": cpu(),
+        "auto": auto_choices(device),
+        "distributed": {name: getattr(dist, f"is_{name}_available")()
+                        for name in ("gloo", "nccl", "mpi")},
+        "packages": package_versions(),
+    }
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def render(info: dict) -> str:
+    t, c, a = info["torch"], info["cpu"], info["auto"]
+    lines = [
+        f"python       {info['python']} ({info['platform']})",
+        f"torch        {t['version']} ({t['build']}"
+        + (f", cuDNN {t['cudnn']})" if t["cudnn"] else ")"),
+    ]
+    for g in info["gpus"]:
+        lines.append(f"gpu {g['index']:<8} {g['name']}, {g['memory_gib']} GiB, compute "
+                     f"capability {g['compute_capability']}, bf16 {_yes(g['bf16'])}")
+    if not info["gpus"]:
+        lines.append("gpus         none visible to torch")
+    lines += [
+        f"cpu          {c['model']}, {c['cores']} cores, torch uses {c['torch_threads']} threads",
+        f"cpu isa      {c['capability']} (AVX2 {_yes(c['avx2'])}, AVX-512 {_yes(c['avx512'])}, "
+        f"AMX {_yes(c['amx'])})",
+        f"cpu bf16     {'native' if c['bf16_native'] else 'emulated'} ({c['bf16_evidence']})",
+        f"auto dtype   {a['dtype']} on {a['device']}: {a['dtype_why']}",
+        f"auto compile {'on' if a['compile'] else 'off'} on {a['device']}",
+        "matmul peak  " + ", ".join(
+            f"{k} {'unknown' if v is None else f'{v:,.1f} GFLOP/s'}"
+            for k, v in a["matmul_peak_gflops"].items()) + f" on {a['device']}",
+        "distributed  " + ", ".join(f"{k} {_yes(v)}" for k, v in info["distributed"].items()),
+        "packages     " + ", ".join(f"{k} {v}" for k, v in info["packages"].items()),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lmforge env", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = p.parse_args(argv)
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

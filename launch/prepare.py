@@ -1,0 +1,98 @@
+"""`lmforge prepare ...` and `lmforge inspect DIR`: the command lines of data_prep.
+
+The prepare flags are PrepareConfig's fields (`--max-docs` for `max_docs`, help from the field's
+metadata), parsed and type-checked by pipeline.typed_config like every other config; PrepareConfig
+checks the ranges before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from data_prep.errors import DataError
+from data_prep.merge import merge
+from data_prep.prepare import PrepareConfig, prepare
+from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
+from data_prep.tokenizer import load_tokenizer_dir
+from launch.cli import ArgumentParser
+from pipeline.typed_config import add_flags, from_flags, number
+
+NOT_FLAGS = ("out", "progress")  # --out is declared by hand (optional with --verify); --quiet
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="lmforge prepare",
+        description="Tokenize a corpus into train/val shards + manifest.json "
+                    "(see data_prep/shards.py for the format).")
+    p.add_argument("--out", type=Path, help="output directory (required unless --verify)")
+    p.add_argument("--verify", type=Path, metavar="DIR",
+                   help="check every shard header and sha256 of a prepared DIR, then exit")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                   help="join the outputs of --part 1/N..N/N into --out")
+    add_flags(p, PrepareConfig, skip=NOT_FLAGS)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`lmforge prepare ...`; a user mistake raises DataError/ConfigError (launch.cli: exit 2)."""
+    args = build_parser().parse_args(argv)
+    if args.verify:
+        verify(args.verify)
+        m = load_manifest(args.verify)
+        print(f"ok: {len(m.shards)} shards, {m.num_tokens('train'):,} train + "
+              f"{m.num_tokens('val'):,} val tokens verified in {args.verify}")
+        return 0
+    if args.out is None:
+        raise DataError("--out DIR is required; e.g. lmforge prepare --out data/pystdlib")
+    if args.merge:
+        m = merge(args.merge, args.out)
+    else:
+        m = prepare(from_flags(PrepareConfig, args, out=args.out, progress=not args.quiet))
+    print(summary(m))
+    return 0
+
+
+def summary(m: Manifest) -> str:
+    tok = m.tokenizer
+    lines = [f"dataset {m.data_dir}  (format v{m.version}, {m.dtype})",
+             f"source    {m.source}",
+             f"tokenizer {tok['name']} ({tok['kind']}), vocab {m.vocab_size:,}, eot {m.eot_id}, "
+             f"sha256 {tok['sha256'][:12]}"]
+    for sp, t in m.totals().items():
+        lines.append(f"{sp:<9} {t['tokens']:>14,} tokens {t['documents']:>10,} docs "
+                     f"{t['shards']:>4} shards")
+    if m.stats.get("replaced_chars"):
+        lines.append(f"note      {m.stats['replaced_chars']:,} invalid UTF-8 bytes were replaced by U+FFFD")
+    return "\n".join(lines)
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    """`lmforge inspect DIR [--tokens N] [--seed S]`: manifest summary + a decoded random span."""
+    p = ArgumentParser(prog="lmforge inspect",
+                       description="Summarise a prepared dataset and decode a sample.")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--tokens", type=number(int, 1), default=300,
+                   help="tokens to decode (default 300)")
+    p.add_argument("--seed", type=number(int, 0), default=None,
+                   help="pick the same place every time")
+    p.add_argument("--split", default="train", choices=SPLITS)
+    args = p.parse_args(argv)
+    m = load_manifest(args.dir)
+    print(summary(m))
+    paths = m.shard_paths(args.split)
+    if not paths:
+        print(f"({args.split} split is empty)")
+        return 0
+    rng = random.Random(args.seed)
+    path = rng.choice(paths)
+    tokens = open_shard(path)
+    start = rng.randrange(max(1, len(tokens) - args.tokens))
+    enc = load_tokenizer_dir(m.data_dir / "tokenizer")
+    span = [int(t) for t in tokens[start:start + args.tokens]]
+    print(f"--- {path.name} tokens [{start}, {start + len(span)}) ---")
+    print(enc.decode(span, errors="replace"))
+    return 0

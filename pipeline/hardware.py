@@ -1,0 +1,304 @@
+"""What the machine the run meets can do, and the choices that follow from it.
+
+- `cpu_bf16`: is bf16 matmul native *and faster than fp32* on this CPU? A measured probe, cached
+  per process (CPUs without AVX512-BF16/AMX emulate bf16, ~100-400x slower than fp32).
+  `LMFORGE_CPU_BF16=native|emulated` forces the answer (tests, or a user who knows better).
+- `resolve_dtype`: train.dtype auto|bf16|fp32 -> the dtype matmuls really compute in, with one
+  log line saying why (the same rule for training, eval, sampling, the demo and the benches).
+- `matmul_peak`: the peak FLOP/s MFU is relative to: NVIDIA's datasheet for GPUs, a measured
+  large matmul for CPUs, in the dtype the run computes in.
+- `configure_cuda`, `pin_memory_for`, `to_device`: the CUDA settings every run wants.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipeline.config import ConfigError
+from pipeline.metrics import get_logger
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FORCE_ENV = "LMFORGE_CPU_BF16"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+
+
+# ----------------------------------------------------------------------------- CPU facts
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_capability() -> str:
+    """The widest vector ISA torch dispatches to here, plus what bf16 hardware the CPU has."""
+    flags = cpu_flags()
+    extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{capability} ({', '.join(extra)})" if extra else capability
+
+
+@dataclass(frozen=True)
+class CpuBf16:
+    native: bool
+    """bf16 matmuls are native and faster than fp32: worth computing in."""
+    bf16_flops: float | None
+    fp32_flops: float | None
+    """Measured probe rates (None when forced by LMFORGE_CPU_BF16)."""
+    source: str
+    """'measured' (+ '; no ... flag') or the forcing variable, for messages."""
+
+    @property
+    def evidence(self) -> str:
+        if self.bf16_flops is None or self.fp32_flops is None:
+            return f"forced by {self.source}"
+        rates = f"bf16 matmul {_gflops(self.bf16_flops)} GFLOP/s vs fp32 {_gflops(self.fp32_flops)}"
+        return rates if self.source == "measured" else f"{self.source.split('; ')[1]}; {rates}"
+
+    @property
+    def slowdown(self) -> str:
+        if self.bf16_flops and self.fp32_flops:
+            return f"{self.fp32_flops / self.bf16_flops:.0f}x slower than fp32"
+        return "much slower than fp32"
+
+
+def _gflops(flops: float) -> str:
+    g = flops / 1e9
+    return f"{g:.1f}" if g < 10 else f"{g:.0f}"
+
+
+def _matmul_rate(n: int, dtype: torch.dtype, budget_s: float, min_reps: int = 3) -> float:
+    """Best FLOP/s of an n x n x n matmul after one warm-up, over `min_reps` or `budget_s`."""
+    a_NN, b_NN = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a_NN @ b_NN  # warm-up: first call pays for allocation and kernel selection
+    best, reps, deadline = 0.0, 0, time.perf_counter() + budget_s
+    while reps < min_reps or time.perf_counter() < deadline:
+        t = time.perf_counter()
+        a_NN @ b_NN
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+        reps += 1
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+def measure_bf16_fp32() -> tuple[float, float]:
+    """(bf16, fp32) matmul FLOP/s of one thread on a 256^3 product, ~0.3 s in all. 256 is big
+    enough for native bf16 kernels (oneDNN AVX512-BF16/AMX) to beat fp32 and small enough that
+    the emulated path (~0.3 GFLOP/s, one product ~0.1 s) keeps the probe short. One thread: the
+    ratio is the same with more, and a single thread is not stalled by a busy machine's other
+    processes the way a team of threads waiting on each other is."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _matmul_rate(256, torch.bfloat16, 0.15, 1), _matmul_rate(256, torch.float32, 0.1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# CPU flags (Linux /proc/cpuinfo) that mean bf16 dot products in hardware: x86 AVX512-BF16 and
+# AMX, Arm's BF16 extension. Without them oneDNN emulates bf16 with fp32 conversions.
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+@functools.cache
+def cpu_bf16() -> CpuBf16:
+    """Cached per process. Native iff the CPU has bf16 instructions (when its flags are
+    readable) and the measured bf16 rate beats fp32. The flags settle the common case (no
+    AVX512-BF16/AMX: emulated) whatever the load; the measurement, 30-400x apart between the
+    kinds, checks that hardware bf16 is really faster here."""
+    forced = os.environ.get(FORCE_ENV, "").strip().lower()
+    if forced:
+        if forced not in ("native", "emulated"):
+            raise ConfigError(f"{FORCE_ENV}={forced!r}: use native or emulated, or unset it")
+        return CpuBf16(forced == "native", None, None, f"{FORCE_ENV}={forced}")
+    flags = cpu_flags()
+    has_bf16 = not flags or any(f in flags for f in _BF16_FLAGS)
+    bf16, fp32 = measure_bf16_fp32()
+    return CpuBf16(has_bf16 and bf16 > fp32, bf16, fp32,
+                   "measured" if has_bf16 else "measured; no avx512_bf16/amx_bf16 flag")
+
+
+def _agree(native: bool) -> bool:
+    """All ranks must compute in the same dtype (FSDP's policy, DDP's buckets): bf16 only if
+    every rank's probe says so."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return native
+    flag = torch.tensor([int(native)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+# ----------------------------------------------------------------------------- dtype
+
+
+def cuda_bf16(device: torch.device) -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """What `auto` picks on `device`, and why (no logging, no collectives)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if cuda_bf16(device):
+            return torch.bfloat16, f"{torch.cuda.get_device_name(device)} has bf16 tensor cores"
+        return torch.float32, f"{torch.cuda.get_device_name(device)} has no native bf16"
+    if device.type == "cpu":
+        probe = cpu_bf16()
+        if probe.native:
+            return torch.bfloat16, f"this CPU computes bf16 natively ({probe.evidence})"
+        return torch.float32, f"this CPU has no native bf16 ({probe.evidence})"
+    return torch.float32, f"no bf16 rule for {device.type}"
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """train.dtype (auto|bf16|fp32) -> the dtype matmuls compute in on `device`. Logs one line.
+
+    Collective when a CPU process group is initialised (ranks agree on the probe): every rank
+    must call it."""
+    if requested not in ("auto", *DTYPES):
+        raise ConfigError(f"dtype must be auto, bf16 or fp32, got {requested!r}")
+    device = torch.device(device)
+    log = get_logger()
+    if requested == "auto":
+        dtype, why = auto_dtype(device)
+        bf16 = dtype == torch.bfloat16
+        if device.type == "cpu" and _agree(bf16) != bf16:
+            dtype, why = torch.float32, "another rank's CPU has no native bf16"
+        log.info(f"dtype auto -> {dtype_name(dtype)}: {why}")
+        return dtype
+    dtype = DTYPES[requested]
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16().native:
+        probe = cpu_bf16()
+        log.warning(f"dtype bf16 on a CPU without native bf16 ({probe.evidence}): matmuls run "
+                    f"~{probe.slowdown}; use --train.dtype auto (or fp32) to train at full speed")
+    else:
+        log.info(f"dtype {requested}: as configured")
+    return dtype
+
+
+# ----------------------------------------------------------------------------- peak FLOP/s
+
+# Dense (no sparsity) peak FLOP/s from NVIDIA's datasheets; bf16/fp16 tensor cores accumulating
+# in fp32 (GeForce cards run those at half their fp16-accumulate rate). Searched in order, so a
+# more specific name comes first; \b keeps "A10" from matching "A100" or "A10G".
+_GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
+    (r"H200 NVL", "H200 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
+    (r"H200", "H200 SXM", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    (r"H100 NVL", "H100 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
+    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    (r"H100", "H100 SXM", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    (r"A100", "A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"\bA10\b", "A10", {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (r"L40S", "L40S", {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (r"\bL4\b", "L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (r"RTX 4090", "RTX 4090", {"bf16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12}),
+    (r"RTX 3090", "RTX 3090", {"bf16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12}),
+]
+
+
+def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    name = torch.cuda.get_device_name(device)
+    if dtype in (torch.bfloat16, torch.float16):
+        kind = "bf16"
+    else:  # fp32 matmuls run on tensor cores as TF32 unless the precision is "highest"
+        kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    for pattern, label, peaks in _GPU_PEAKS:
+        if re.search(pattern, name):
+            return peaks[kind], (f"MFU relative to the {label} dense {kind} peak, "
+                                 f"{peaks[kind] / 1e12:.0f} TFLOP/s")
+    return None, f"no peak FLOP/s known for '{name}'; MFU is not reported"
+
+
+# Largest square matmul tried: 4096^3 fp32 reaches a CPU's peak (~160 GFLOP/s on 2 AVX2 cores);
+# sizes grow until one product takes longer than _CPU_STEP_S, so the whole measurement stays
+# within ~1-2 s even where bf16 is emulated (there 512^3 already takes ~1 s).
+_CPU_SIZES = (256, 512, 1024, 2048, 4096)
+_CPU_STEP_S = 0.25
+
+
+def _cpu_peak(dtype: torch.dtype) -> tuple[float, str]:
+    best, biggest = 0.0, _CPU_SIZES[0]
+    for n in _CPU_SIZES:
+        rate = _matmul_rate(n, dtype, budget_s=0.2, min_reps=2)
+        best, biggest = max(best, rate), n
+        if 2 * n**3 / rate > _CPU_STEP_S:
+            break
+    return best, (f"MFU relative to this CPU's measured {dtype_name(dtype)} matmul peak, "
+                  f"{_gflops(best)} GFLOP/s (best up to {biggest}^3, "
+                  f"{torch.get_num_threads()} threads)")
+
+
+@functools.cache
+def _peak(device_type: str, index: int | None, dtype: torch.dtype,
+          precision: str) -> tuple[float | None, str]:
+    if device_type == "cuda":
+        return _cuda_peak(torch.device("cuda", index), dtype)
+    if device_type == "cpu":
+        return _cpu_peak(dtype)
+    return None, f"no peak FLOP/s known for {device_type}; MFU is not reported"
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak matmul FLOP/s of `device` in `dtype`, the dtype the run really computes in (None if
+    unknown). Cached per process; MFU = achieved model FLOP/s / this."""
+    device = torch.device(device)
+    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[0]
+
+
+def peak_note(device: torch.device, dtype: torch.dtype) -> str:
+    """The line that says which peak `matmul_peak` is (or why there is none)."""
+    device = torch.device(device)
+    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[1]
+
+
+# ----------------------------------------------------------------------------- CUDA settings
+
+
+def configure_cuda() -> None:
+    # TF32 for fp32 matmuls/convs: ~8x the fp32 rate on Ampere+ at a 10-bit mantissa, which
+    # training tolerates (the peak table then reads tf32). The legacy API only: mixing it with
+    # torch.backends.*.fp32_precision makes torch refuse to report the precision.
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def pin_memory_for(device: torch.device) -> bool:
+    # Page-locked host buffers let host->GPU copies run asynchronously (DMA); on CPU they
+    # would only cost memory.
+    return torch.device(device).type == "cuda"
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on `device`: pinned + non_blocking on CUDA so the copy overlaps compute."""
+    if pin_memory_for(device):
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -1,0 +1,243 @@
+"""Typed dataclass configs from TOML and the command line: the generic half of the config system.
+
+A config is a dataclass whose field annotations are the contract: int, float, bool, str,
+`Literal[...]` choices, `X | None` (unset by omitting it in TOML or by `none` on the command
+line) and `list[X]`. This module turns text and TOML values into such fields, checking each
+against its annotation, and raises `ConfigError` with one line naming the key and what was
+expected. It knows no schema: `pipeline.config` (the training job, nested sections, dotted
+`--section.key` overrides) and `launch.prepare` (flat `--kebab-case` flags) both use it.
+Ranges and cross-field rules are the schema's business (its `validate`), not this module's.
+
+Help text: a field's `metadata={"help": ...}` (the runtime-readable form of a field docstring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import sys
+import types
+import typing
+from typing import Any, Literal, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(Exception):
+    """A bad config file, override or value; the message is one line naming the fix."""
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type (the annotations are strings under `from __future__`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def section_keys(root: type) -> list[str]:
+    """Every 'section.key' of a root dataclass whose fields are section dataclasses."""
+    return [f"{s}.{k}" for s, cls in field_types(root).items() for k in field_types(cls)]
+
+
+def unknown_key(name: str, candidates: list[str]) -> ConfigError:
+    # A right key in the wrong section ('train.lr' -> 'optim.lr') beats a near spelling.
+    leaf = name.rsplit(".", 1)[-1]
+    close = [c for c in candidates if c.rsplit(".", 1)[-1] == leaf and "." in c][:1]
+    close = close or difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    hint = f" — did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown key '{name}'{hint}")
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is None else str(tp)
+
+
+def bad_value(key: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"bad value for '{key}': {value!r} (expected {expected})")
+
+
+def parse_text(key: str, text: str, tp: Any) -> Any:
+    """Turn a command-line string into a value of the field's type (checked by `check`)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and text.strip().lower() in ("none", "null"):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return parse_text(key, text, inner)
+    if origin is list:
+        try:  # TOML array syntax, which also covers JSON's: '["def ", "import "]'
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise bad_value(key, text, 'a list such as ["a", "b"]') from None
+    if tp is bool:
+        lowered = text.strip().lower()
+        if lowered not in ("true", "false", "1", "0"):
+            raise bad_value(key, text, "true | false | 1 | 0")
+        return lowered in ("true", "1")
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            raise bad_value(key, text, tp.__name__) from None
+    return text  # str and Literal[str]: `check` validates the choice
+
+
+def check(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` if it has type `tp` (an int is accepted for a float), else raise."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad_value(key, value, f"one of {type_name(tp)}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return check(key, value, inner)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise bad_value(key, value, f"a list of {type_name(item)}")
+        return [check(key, v, item) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # bool is a subclass of int: `max_steps = true` must not pass as 1.
+    if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
+        raise bad_value(key, value, type_name(tp))
+    return value
+
+
+# ----------------------------------------------------------------------------- nested sections
+
+
+def from_dict(root: type, d: dict[str, Any]) -> Any:
+    """A `root` instance from nested section dicts (a TOML file, a checkpoint): missing sections
+    and keys take their defaults, unknown ones are errors, every value is type-checked."""
+    sections = field_types(root)
+    for name, values in d.items():
+        if name not in sections:
+            raise unknown_key(name, list(sections) + section_keys(root))
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{name}' must be a section ([{name}] in TOML), got {values!r}")
+    built = {}
+    for name, cls in sections.items():
+        types_ = field_types(cls)
+        kwargs = {}
+        for key, value in d.get(name, {}).items():
+            if key not in types_:
+                raise unknown_key(f"{name}.{key}", section_keys(root))
+            kwargs[key] = check(f"{name}.{key}", value, types_[key])
+        try:
+            built[name] = cls(**kwargs)
+        except ValueError as e:  # a section that checks its own shapes (ModelConfig)
+            raise ConfigError(str(e)) from None
+    return root(**built)
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, str]]:
+    """['--a.b', '1', '--c.d=x'] -> [('a.b', '1'), ('c.d', 'x')]."""
+    pairs, i = [], 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}' — overrides look like --section.key value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(overrides):
+            key, value = arg[2:], overrides[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"missing value for '{arg}' — write {arg} VALUE")
+        pairs.append((key, value))
+    return pairs
+
+
+def apply_overrides(root: type, d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each `--section.key value` of `overrides` in the nested dict `d`, parsed to its type."""
+    sections = field_types(root)
+    for key, text in parse_overrides(overrides):
+        section, _, name = key.partition(".")
+        types_ = field_types(sections[section]) if section in sections else {}
+        if name not in types_:
+            raise unknown_key(key, section_keys(root))
+        d.setdefault(section, {})[name] = parse_text(key, text, types_[name])
+    return d
+
+
+# ----------------------------------------------------------------------------- flat flags
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One `--kebab-case` flag per field of the flat dataclass `cls`: a bool is a switch, every
+    other value is parsed and type-checked against the annotation (a bad one raises ConfigError,
+    which argparse lets through), help from the field's metadata, default from the dataclass."""
+    types_ = field_types(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag, tp, help_ = flag_name(f.name), types_[f.name], f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(flag, action="store_true", help=help_)
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = "" if default is None else f" (default: {default})"
+        parser.add_argument(flag, type=_converter(flag, tp), default=default,
+                            help=(help_ + shown).replace("%", "%%"))  # argparse %-formats help
+
+
+def _converter(flag: str, tp: Any):
+    def convert(text: str) -> Any:
+        return check(flag, parse_text(flag, text, tp), tp)
+
+    convert.__name__ = type_name(tp)  # what argparse names in its own messages
+    return convert
+
+
+def from_flags(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+    """A `cls` instance from the flags `add_flags` made, and `given` for the skipped fields."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in given}
+    return cls(**values, **given)
+
+
+def number(tp: type, lo: float | None = None, hi: float | None = None):
+    """An argparse `type` for a numeric flag that is not a config field: a finite int or float in
+    [lo, hi] (either bound optional). argparse names the flag in the error."""
+    kind = "an int" if tp is int else "a finite number"
+    bounds = (f"in [{lo}, {hi}]" if lo is not None and hi is not None else
+              f">= {lo}" if lo is not None else f"<= {hi}" if hi is not None else "")
+    expected = f"{kind} {bounds}".strip()
+
+    def convert(text: str):
+        try:
+            value = tp(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (lo is None or value >= lo) and (hi is None or value <= hi)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
+        return value
+
+    convert.__name__ = tp.__name__
+    return convert

@@ -1,0 +1,116 @@
+"""`--dry-run` planning (pipeline/plan.py) checked against real runs on CPU.
+
+Parameter, gradient and AdamW bytes must equal the tensors of a real run exactly, one process and
+FSDP2 on 2 gloo ranks (this file, run under torchrun, is the probe). Activations are compared with
+the bytes autograd saves for backward (a saved-tensors hook, storages counted once), as the
+difference between micro-batches of 4 and 2 sequences so that per-weight tensors (bf16 weight
+casts, RoPE tables) cancel out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from model import GPT, ModelConfig
+from pipeline.plan import activation_bytes, meta_model, state_bytes
+from tests.launch_utils import ROOT, run
+
+SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
+
+
+def real_state_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """One AdamW step on a real model; bytes of this rank's params, grads, optimizer state."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, SMALL.vocab_size, (2, 32))
+    model(x, x).backward()
+    grads = sum(local(p.grad).nbytes for p in model.parameters())
+    opt.step()
+    params = sum(local(p).nbytes for p in model.parameters())
+    state = sum(local(v).nbytes for s in opt.state.values() for v in s.values())
+    return {"params": params, "grads": grads, "optimizer": state}
+
+
+def planned(world: int, sharded: bool, rank: int) -> dict[str, int]:
+    shapes = [tuple(p.shape) for p in meta_model(SMALL).parameters()]
+    s = state_bytes(shapes, world, sharded, rank)
+    return {"params": s.params, "grads": s.grads, "optimizer": s.optimizer}
+
+
+def test_state_bytes_equal_a_real_single_process_run():
+    torch.manual_seed(0)
+    assert real_state_bytes(GPT(SMALL)) == planned(1, False, 0)
+
+
+def test_state_bytes_equal_real_fsdp_shards_on_2_ranks():
+    res = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(ROOT / "tests" / "test_plan.py")], timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:]
+    found = [json.loads(ln[len("PLAN "):]) for ln in res.stdout.splitlines() if ln.startswith("PLAN ")]
+    assert sorted(r["rank"] for r in found) == [0, 1]
+    for r in found:
+        assert r["real"] == planned(2, True, r["rank"]), r
+    # Sharding really halves the state (the check is not comparing a run with itself).
+    assert planned(2, True, 0)["params"] < 0.6 * planned(1, False, 0)["params"]
+
+
+def saved_for_backward(model: GPT, batch: int, bf16: bool) -> int:
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    x = torch.randint(0, SMALL.vocab_size, (batch, SMALL.max_seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            model(x, x, reduction="sum")
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_activation_estimate_within_25_percent(mlp, bf16):
+    cfg = ModelConfig(**{**SMALL.to_dict(), "mlp": mlp})
+    model = GPT(cfg)
+    measured = saved_for_backward(model, 4, bf16) - saved_for_backward(model, 2, bf16)
+    estimate = activation_bytes(cfg, 2, cfg.max_seq_len, bf16, checkpointing=False)
+    assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
+
+
+def test_dry_run_plans_without_starting_anything():
+    res = run([sys.executable, "-m", "launch.cli", "train", "--nproc", "8", "--nnodes", "4",
+               "--config", "configs/llama_350m.toml", "--dry-run", "--gpu", "H100",
+               "--train.micro_batch_size", "8"], timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "4 node(s) x 8 H100 SXM = 32 GPUs" in res.stdout
+    assert "FSDP2" in res.stdout and "s/step" in res.stdout
+    bad = run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/tiny.toml",
+               "--dry-run", "--gpu", "Z80"], timeout=120)
+    assert bad.returncode == 2 and "error: --gpu: unknown GPU 'Z80'" in bad.stdout
+
+
+def _fsdp_probe() -> None:
+    """Under torchrun: shard SMALL with FSDP2 on gloo, one AdamW step, print this rank's bytes."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    print("PLAN " + json.dumps({"rank": rank, "real": real_state_bytes(model)}), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _fsdp_probe()
