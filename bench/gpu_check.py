@@ -34,7 +34,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.distributed import DistInfo  # noqa: E402
 from pipeline.hardware import configure_cuda, dtype_name, matmul_peak, resolve_dtype  # noqa: E402
 from pipeline.optim import build_optimizer  # noqa: E402
-from pipeline.parallelize import autocast, needs_autocast, parallelize  # noqa: E402
+from pipeline.parallelize import Precision, parallelize  # noqa: E402
 from tests import launch_utils as lu  # noqa: E402  (the tests' launch helpers: one launch code)
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
@@ -64,19 +64,18 @@ def step_check(device: torch.device, smoke: bool) -> dict:
                             max_seq_len=64, vocab_size=512)
         B, T, warmup, timed = 4, 64, 1, 3
     dtype = resolve_dtype("auto", device)
-    bf16 = dtype == torch.bfloat16
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=device)
     torch.manual_seed(0)
     model = GPT(model_cfg).to(device)
-    trained = parallelize(model, info, parallel="none", bf16=bf16,
-                          compile_model=device.type == "cuda", activation_checkpointing=False)
-    opt = build_optimizer(trained, cfg.optim, device)
+    pm = parallelize(model, info, parallel="none", precision=Precision(dtype, device),
+                     compile_model=device.type == "cuda", activation_checkpointing=False)
+    opt = build_optimizer(pm.module, cfg.optim, device)
     x_BT = torch.randint(0, model_cfg.vocab_size, (B, T), device=device)
     y_BT = torch.randint(0, model_cfg.vocab_size, (B, T), device=device)
 
     def step() -> None:
-        with autocast(device, needs_autocast("none", bf16)):
-            loss = trained(x_BT, y_BT)
+        with pm.autocast():
+            loss = pm.module(x_BT, y_BT)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """Training throughput and memory: lmforge (eager, compiled) vs a GPT-2-style reference and
-transformers' LlamaForCausalLM, at the two shapes of issue 11, in the dtype train.dtype=auto
-picks here.
+transformers' LlamaForCausalLM, at two shapes (a GPT-2-size vocabulary, where the head
+dominates, and a small one), in the dtype train.dtype=auto picks here.
 
     python bench/train_bench.py               # 2 interleaved rounds, both shapes (~8 min, 2 cores)
     python bench/train_bench.py --quick       # shape B only, 1 round, few steps (smoke test)
@@ -42,13 +42,14 @@ def build_lmforge(vocab: int, compile_model: bool):
     from pipeline.config import OptimConfig
     from pipeline.distributed import DistInfo
     from pipeline.optim import build_optimizer
-    from pipeline.parallelize import parallelize
+    from pipeline.parallelize import Precision, parallelize
 
     info = DistInfo(0, 0, 1, torch.device("cpu"))
     model = GPT(ModelConfig(vocab_size=vocab, n_layer=L, n_head=H, n_kv_head=H, d_model=D,
                             d_mlp=D_MLP, max_seq_len=T))
-    trained = parallelize(model, info, parallel="none", bf16=False, compile_model=compile_model,
-                          activation_checkpointing=False)
+    precision = Precision(torch.float32, info.device)
+    trained = parallelize(model, info, parallel="none", precision=precision,
+                          compile_model=compile_model, activation_checkpointing=False).module
     return model, trained, build_optimizer(trained, OptimConfig(), info.device)
 
 
@@ -195,7 +196,10 @@ def main() -> None:
     for _ in range(rounds):
         for s, vocab in shapes.items():
             for impl, comp in IMPLS:
-                res[s, impl, comp].append(measure(impl, vocab, comp, steps))
+                r = measure(impl, vocab, comp, steps)
+                res[s, impl, comp].append(r)
+                print(f"  [{s} {name(impl, comp)}: {r['tok_s']:.0f} tok/s, {r['peak_rss_mb']:.0f} MB]",
+                      file=sys.stderr, flush=True)  # partial results survive an interrupted run
     print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'median':>7} {'MFU':>6} "
           f"{'RSS MB':>7} {'1st step':>8}  lmforge compiled / this")
     for s, vocab in shapes.items():

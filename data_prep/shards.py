@@ -138,6 +138,11 @@ def read_header(path: Path | str) -> tuple[int, np.dtype, int, int]:
 def open_shard(path: Path | str) -> np.ndarray:
     """The tokens of a shard as a read-only np.memmap (header and file size validated)."""
     _, dtype, count, _ = read_header(path)
+    return map_tokens(path, dtype, count)
+
+
+def map_tokens(path: Path | str, dtype: np.dtype, count: int) -> np.ndarray:
+    """The tokens of a shard whose header was already validated, as a read-only np.memmap."""
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
@@ -239,14 +244,16 @@ def load_manifest(data_dir: Path | str) -> Manifest:
     return m
 
 
-def check_shard(path: Path, info: ShardInfo, vocab_size: int, checksum: bool = True) -> None:
-    """Raise ShardError if the shard at `path` does not match its manifest entry."""
-    _, _, count, vocab = read_header(path)
+def check_shard(path: Path, info: ShardInfo, vocab_size: int, checksum: bool = True) -> np.dtype:
+    """Raise ShardError if the shard at `path` does not match its manifest entry; else return
+    its token dtype."""
+    _, dtype, count, vocab = read_header(path)
     if count != info.tokens or vocab != vocab_size:
         raise ShardError(f"shard {path} holds {count} tokens / vocab {vocab}, manifest says "
                          f"{info.tokens} / {vocab_size}; {_fix_hint(path)}")
     if checksum and file_sha256(path) != info.sha256:
         raise ShardError(f"shard {path} fails its sha256 checksum (corrupted); {_fix_hint(path)}")
+    return dtype
 
 
 def verify(data_dir: Path | str) -> None:

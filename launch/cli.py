@@ -2,7 +2,7 @@
 
     lmforge prepare  corpus -> tokenized shards        (launch.prepare, data_prep)
     lmforge inspect  summary + decoded sample of shards (launch.prepare)
-    lmforge train    train a model, torchrun on request (pipeline)
+    lmforge train    train a model, torchrun on request (launch.train, pipeline)
     lmforge eval     perplexity / bits-per-byte         (launch.evaluate)
     lmforge sample   generate text from a checkpoint    (launch.sample)
     lmforge export   Hugging Face Llama format          (launch.export)
@@ -23,7 +23,7 @@ import sys
 SUBCOMMANDS = {
     "prepare": ("launch.prepare", "main", "tokenize a corpus into shards"),
     "inspect": ("launch.prepare", "inspect_main", "summarise shards and decode a sample"),
-    "train": ("pipeline.train", "cli_main", "train (use --nproc N to start torchrun)"),
+    "train": ("launch.train", "cli_main", "train (use --nproc N to start torchrun)"),
     "eval": ("launch.evaluate", "main", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("launch.sample", "main", "generate text from a checkpoint"),
     "export": ("launch.export", "main", "export a checkpoint to the Hugging Face Llama format"),

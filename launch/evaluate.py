@@ -27,7 +27,7 @@ from pipeline.config import ConfigError
 from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo, init_distributed, teardown
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
-from pipeline.hardware import resolve_dtype
+from pipeline.parallelize import Precision
 from pipeline.typed_config import number
 
 MAX_BATCH = 1 << 16  # windows per forward; eval pads every batch to this many rows
@@ -94,8 +94,8 @@ def evaluate_checkpoint(
     windows = TokenWindows(data_dir, split, seq_len, ckpt.config.vocab_size)
     batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
-    bf16 = resolve_dtype(dtype, info.device) == torch.bfloat16
-    return evaluate(ckpt.model, batches, token_bytes, info, bf16=bf16), seq_len
+    precision = Precision.resolve(dtype, info.device)
+    return evaluate(ckpt.model, batches, token_bytes, info, precision=precision), seq_len
 
 
 def report(result: EvalResult) -> str:

@@ -28,7 +28,7 @@ from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.distributed import pick_device
 from pipeline.hardware import resolve_dtype
-from pipeline.parallelize import autocast
+from pipeline.parallelize import Precision
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +104,7 @@ def write_sample(ckpt: LoadedCheckpoint, enc: tiktoken.Encoding, prompt_ids: lis
     steps = stream(ckpt.model, [prompt_ids], sampling, stop_token=eot_id(enc))
     tokens = (token for (token,) in steps if token is not None)
     # The generator runs the model lazily, so autocast must cover the whole iteration.
-    with autocast(device, dtype == torch.bfloat16):
+    with Precision(dtype, device).autocast(ckpt.model):
         for text in decode_stream(enc, tokens):
             out.write(text)
             out.flush()

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from data_prep.errors import DataError
-from data_prep.shards import ShardError, check_shard, load_manifest, open_shard
+from data_prep.shards import ShardError, check_shard, load_manifest, map_tokens
 from model.model import IGNORE_INDEX  # noqa: F401 - re-exported: the target eval padding rows carry
 
 
@@ -46,9 +46,10 @@ class TokenWindows:
         # O(bytes) (hashing 10B tokens on every rank took minutes). A truncated or mismatched
         # shard fails here; a damaged payload is caught by the token-range check on every read
         # when it yields an id outside the vocabulary, and fully by `lmforge prepare --verify`.
-        for info in infos:
-            check_shard(manifest.data_dir / info.file, info, manifest.vocab_size, checksum=False)
         self.paths = [manifest.data_dir / s.file for s in infos]
+        # Kept so that a read maps a shard without reading its header again.
+        self.dtypes = [check_shard(path, info, manifest.vocab_size, checksum=False)
+                       for path, info in zip(self.paths, infos, strict=True)]
         self.vocab_size = manifest.vocab_size
         self.eot_id = manifest.eot_id
         self.split = split
@@ -86,7 +87,8 @@ class TokenWindows:
         while pos < stop:
             k = int(np.searchsorted(self.starts, pos, side="right")) - 1
             if k not in shards:
-                shards[k] = open_shard(self.paths[k])
+                shards[k] = map_tokens(self.paths[k], self.dtypes[k],
+                                       int(self.starts[k + 1] - self.starts[k]))
             end = min(stop, int(self.starts[k + 1]))
             first = int(self.starts[k])
             out[pos - start:end - start] = shards[k][pos - first:end - first]

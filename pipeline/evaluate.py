@@ -21,7 +21,7 @@ from torch import nn
 
 from pipeline.data import IGNORE_INDEX, TokenWindows
 from pipeline.distributed import DistInfo, all_reduce_sum
-from pipeline.parallelize import autocast
+from pipeline.parallelize import Precision
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def evaluate(
     token_bytes: torch.Tensor,
     info: DistInfo,
     *,
-    bf16: bool = False,
+    precision: Precision,
 ) -> EvalResult:
     """Sum of token losses, token count and byte count over this rank's batches, reduced over
     ranks. `token_bytes[id]` is the UTF-8 length of token `id` (0 for special tokens); targets
@@ -57,7 +57,7 @@ def evaluate(
     token_bytes = token_bytes.to(info.device)
     for x_BT, y_BT in batches:
         x_BT, y_BT = x_BT.to(info.device), y_BT.to(info.device)
-        with autocast(info.device, bf16):
+        with precision.autocast(model):
             loss_sum = model(x_BT, y_BT, reduction="sum")
         valid_BT = y_BT != IGNORE_INDEX
         sums[0] += loss_sum.double()

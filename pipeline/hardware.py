@@ -210,7 +210,7 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
 # Dense (no sparsity) peak FLOP/s from NVIDIA's datasheets; bf16/fp16 tensor cores accumulating
 # in fp32 (GeForce cards run those at half their fp16-accumulate rate). Searched in order, so a
 # more specific name comes first; \b keeps "A10" from matching "A100" or "A10G".
-_GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
+GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
     (r"H200 NVL", "H200 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
     (r"H200", "H200 SXM", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
     (r"H100 NVL", "H100 NVL", {"bf16": 835e12, "tf32": 417e12, "fp32": 60e12}),
@@ -231,7 +231,7 @@ def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
         kind = "bf16"
     else:  # fp32 matmuls run on tensor cores as TF32 unless the precision is "highest"
         kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    for pattern, label, peaks in _GPU_PEAKS:
+    for pattern, label, peaks in GPU_PEAKS:
         if re.search(pattern, name):
             return peaks[kind], (f"MFU relative to the {label} dense {kind} peak, "
                                  f"{peaks[kind] / 1e12:.0f} TFLOP/s")

@@ -5,21 +5,28 @@ activation checkpointing (per block) -> compile -> data parallelism. Compile cov
 forward and the chunked LM-head loss, where most FLOPs and elementwise passes are; under FSDP2
 the compiled regions are its units instead (each block, then norm + head + loss), since FSDP's
 all-gather hooks run between them.
+
+`parallelize` returns a `ParallelModel`: the wrapped module with the two things that differ
+between the modes, the micro-step's gradient sync and the autocast, so the training loop never
+branches on the mode. `Precision` is the compute dtype and the one rule for when to autocast.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT
 from pipeline.distributed import DistInfo
+from pipeline.hardware import resolve_dtype
 from pipeline.metrics import get_logger
 
 log = get_logger()
@@ -55,35 +62,93 @@ def resolve_compile(
     return est_eager_run_s is not None and est_eager_run_s >= CPU_COMPILE_PAYBACK * cold_compile_s
 
 
+@dataclass(frozen=True)
+class Precision:
+    """The dtype matmuls compute in (master weights and optimizer state stay fp32 either way)."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def resolve(cls, requested: str, device: torch.device) -> Precision:
+        """train.dtype auto|bf16|fp32 on `device` (pipeline.hardware.resolve_dtype's rule)."""
+        return cls(resolve_dtype(requested, device), torch.device(device))
+
+    @property
+    def bf16(self) -> bool:
+        return self.dtype == torch.bfloat16
+
+    def autocast(self, module: nn.Module):
+        """The context to run `module` in, for training, eval and sampling alike: bf16 autocast
+        over its fp32 parameters, except under FSDP2, whose MixedPrecisionPolicy already hands
+        the forward bf16 parameters."""
+        enabled = self.bf16 and not isinstance(module, FSDPModule)
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+@dataclass(frozen=True)
+class ParallelModel:
+    """The module to train (as `parallelize` wrapped it) and what differs between the modes."""
+
+    module: nn.Module
+    mode: str  # "none" | "ddp" | "fsdp"
+    precision: Precision
+
+    def autocast(self):
+        return self.precision.autocast(self.module)
+
+    @contextlib.contextmanager
+    def micro_step(self, sync: bool) -> Iterator[None]:
+        """Around one micro-step's forward and backward: gradients are reduced across ranks only
+        when `sync`. DDP's forward decides whether the coming backward all-reduces, so no_sync
+        must cover the forward too. FSDP's switch is a persistent module setting: it is set on
+        entry and put back to syncing on exit, so a backward outside a micro-step still syncs."""
+        if TRACE_PREFIX:
+            _trace_collectives(self.module, self.mode)
+            _trace(f"micro sync={int(sync)}")
+        if sync or self.mode == "none":
+            yield
+        elif self.mode == "ddp":
+            with self.module.no_sync():
+                yield
+        else:
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+
+
 def parallelize(
     model: GPT,
     info: DistInfo,
     *,
     parallel: str,
-    bf16: bool,
+    precision: Precision,
     compile_model: bool,
     activation_checkpointing: bool,
-) -> nn.Module:
-    """Return the module to train. `model` must already hold its initial weights on info.device."""
+) -> ParallelModel:
+    """Wrap `model` for training; it must already hold its initial weights on info.device.
+    `parallel` is resolved (none | ddp | fsdp: see resolve_parallel)."""
     if activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
     if compile_model:
         compile_regions(model, per_block=parallel == "fsdp")
+    module: nn.Module = model
     if parallel == "fsdp":
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters
         # the optimizer updates are the master weights.
         mp = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
+            param_dtype=torch.bfloat16 if precision.bf16 else None, reduce_dtype=torch.float32
         )
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        return model
-    if parallel == "ddp":
+    elif parallel == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    return model
+        module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    return ParallelModel(module, parallel, precision)
 
 
 def compile_regions(model: GPT, per_block: bool) -> None:
@@ -123,32 +188,6 @@ class RecompileWatch:
             )
         self.seen_phases.add(phase)
         return new
-
-
-def needs_autocast(parallel: str, bf16: bool) -> bool:
-    # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-process use autocast.
-    return bf16 and parallel != "fsdp"
-
-
-def autocast(device: torch.device, enabled: bool):
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def grad_sync(model: nn.Module, parallel: str, sync: bool):
-    """Context for one micro-step: gradients are reduced across ranks only when `sync`.
-
-    DDP's no_sync must wrap the forward as well as the backward (DDP's forward decides whether the
-    coming backward all-reduces), which is why this is a context around the whole micro-step,
-    not a flag flipped before backward.
-    """
-    if TRACE_PREFIX:
-        _trace_collectives(model, parallel)
-        _trace(f"micro sync={int(sync)}")
-    if parallel == "ddp" and not sync:
-        return model.no_sync()
-    if parallel == "fsdp":
-        model.set_requires_gradient_sync(sync)
-    return contextlib.nullcontext()
 
 
 # Test-only instrumentation (tests/test_accumulation.py): with LMFORGE_TRACE_GRAD_SYNC=PREFIX each

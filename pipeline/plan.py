@@ -25,7 +25,7 @@ from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, derive
-from pipeline.hardware import _GPU_PEAKS as GPU_PEAKS  # the datasheet table, kept in one place
+from pipeline.hardware import GPU_PEAKS  # the datasheet table, kept in one place
 
 FP32, BF16 = 4, 2
 GiB = 2**30

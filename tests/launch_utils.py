@@ -47,15 +47,15 @@ def free_port() -> int:
 def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun") -> list[str]:
     py = sys.executable
     if nproc == 1 and launcher == "torchrun":
-        return [py, "-m", "pipeline.train", *args]
+        return [py, "-m", "launch.train", *args]
     if launcher == "torchrun":
         return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", "pipeline.train", *args]
+                "-m", "launch.train", *args]
     if launcher == "accelerate":
         return [py, "-m", "accelerate.commands.launch", "--multi_gpu",
                 "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                "-m", "pipeline.train", *args]
+                "-m", "launch.train", *args]
     raise ValueError(launcher)
 
 

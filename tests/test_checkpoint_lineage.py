@@ -1,4 +1,4 @@
-"""Checkpoints on the paths a long run takes (issue 9 items 3, 4, 5, 9; issue 10 item 4):
+"""Checkpoints on the paths a long run takes, where a crash or a rollback finds the bugs:
 rollbacks and keep-K, weights written before eval/samples, crafted DCP metadata, the typed
 versioned CheckpointMeta, and start-up cost independent of the shards' bytes."""
 
@@ -34,7 +34,7 @@ def step_names(run_dir: Path) -> list[str]:
     return [p.name for p in ckpt.list_complete(run_dir / "checkpoints")]
 
 
-# ---- keep-K after a rollback (item 3) ---------------------------------------------------------
+# ---- keep-K after a rollback ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_resume_from_an_export_is_one_clear_error(trained, tiny_data, tmp_path):
                     tmp_path / "r2")
 
 
-# ---- weights before eval and samples (items 4 and 9) ------------------------------------------
+# ---- weights before eval and samples -------------------------------------------------------------
 
 
 def test_failing_sampler_at_the_last_step_keeps_checkpoint_and_export(tiny_data, tmp_path,
@@ -143,7 +143,7 @@ def test_weights_are_written_before_eval_and_samples(tiny_data, tmp_path, monkey
         assert events[-4:] == ["save", "export_final", "run_eval", "run_samples"]
 
 
-# ---- DCP metadata is not unpickled blindly (item 5) -------------------------------------------
+# ---- DCP metadata is not unpickled blindly -------------------------------------------------------
 
 
 class _RunsCode:
@@ -168,7 +168,7 @@ def test_crafted_dcp_metadata_is_refused_and_runs_nothing(trained, tiny_data, tm
     assert not marker.exists()
 
 
-# ---- one typed, versioned CheckpointMeta (issue 10 item 4) ------------------------------------
+# ---- one typed, versioned CheckpointMeta ---------------------------------------------------------
 
 
 def test_checkpoint_meta_is_typed_versioned_and_round_trips(trained, tmp_path):
@@ -189,7 +189,7 @@ def test_checkpoint_meta_is_typed_versioned_and_round_trips(trained, tmp_path):
         ckpt.read_meta(step)
 
 
-# ---- start-up reads headers, not bytes (item 10) ----------------------------------------------
+# ---- start-up reads headers, not bytes -----------------------------------------------------------
 
 
 def test_loader_start_up_and_reads_hash_nothing(tmp_path, monkeypatch):

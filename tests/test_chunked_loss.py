@@ -1,6 +1,6 @@
 """The chunked LM-head loss (model.model.chunked_cross_entropy): the same loss and gradients as
 cross-entropy on the full logits, without ever building the B×T×V logits or their gradient;
-always reduced in fp32, also when the head matmul is bf16 (FSDP's bf16 parameters: issue 9.1).
+always reduced in fp32, also when the head matmul is bf16 (FSDP's bf16 parameters).
 
 The 2-rank checks run this file as a torchrun worker (`python -m tests.test_chunked_loss OUT`).
 """
@@ -138,7 +138,7 @@ def dist_worker(out_path: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from pipeline.distributed import init_distributed, teardown
-    from pipeline.parallelize import parallelize
+    from pipeline.parallelize import Precision, parallelize
 
     info = init_distributed("cpu")
     cfg = tiny()
@@ -154,8 +154,9 @@ def dist_worker(out_path: str) -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
         model.loss_chunk_tokens = 16
-        trained = parallelize(model, info, parallel=parallel, bf16=bf16, compile_model=False,
-                              activation_checkpointing=False)
+        precision = Precision(torch.bfloat16 if bf16 else torch.float32, info.device)
+        trained = parallelize(model, info, parallel=parallel, precision=precision,
+                              compile_model=False, activation_checkpointing=False).module
         loss_BT = trained(idx_BT[mine], targets_BT[mine], reduction="none")
         loss_BT.sum().backward()
         name = parallel + ("_bf16" if bf16 else "")
@@ -189,7 +190,7 @@ def test_ddp_and_fsdp_two_ranks_equal_plain_path_and_fsdp_bf16_loss_is_fp32(tmp_
     got = json.loads(out.read_text())
     for name in ("ddp", "fsdp"):
         assert got[name]["token_err"] < 1e-5 and got[name]["grad_err"] < 1e-6, got
-    # Issue 9.1: under FSDP bf16 (no autocast) the loss was computed and returned in bf16.
+    # Under FSDP bf16 there is no autocast: the loss must still be computed and returned in fp32.
     assert got["fsdp_bf16"]["dtype"] == "torch.float32", got
     assert got["fsdp_bf16"]["token_err"] < BF16_TOKEN_TOL, got
     assert got["fsdp_bf16"]["mean_err"] < BF16_MEAN_TOL, got

@@ -58,9 +58,9 @@ def test_compiled_forward_and_loss_equal_eager_without_recompiles():
         torch.manual_seed(0)
         model = GPT(cfg)
         model.loss_chunk_tokens = 24  # several chunks, the last one short
-        models.append((model, par.parallelize(model, info, parallel="none", bf16=False,
-                                              compile_model=compile_model,
-                                              activation_checkpointing=False)))
+        models.append((model, par.parallelize(
+            model, info, parallel="none", precision=par.Precision(torch.float32, CPU),
+            compile_model=compile_model, activation_checkpointing=False).module))
     (eager, _), (model, compiled) = models
     assert list(model.state_dict()) == list(eager.state_dict())  # no `_orig_mod.` prefix
     g = torch.Generator().manual_seed(0)

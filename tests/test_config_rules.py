@@ -1,4 +1,4 @@
-"""Every float of every config section is checked (issue 9, item 7): NaN and +-inf are refused
+"""Every float of every config section is checked: NaN and +-inf are refused
 with one `error:` line naming the key, as is a negative value (no float setting has a meaning
 below zero). The fields are found by reflection, so a new float field is covered the day it is
 added."""

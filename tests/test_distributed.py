@@ -137,7 +137,7 @@ def test_two_nodes_rendezvous_equal_one_node(runs, tiny_data, tmp_path):
     nodes = [
         start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={r}",
                "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=lmforge-test", "-m", "pipeline.train", *args])
+               "--rdzv-id=lmforge-test", "-m", "launch.train", *args])
         for r in (0, 1)
     ]
     try:
@@ -182,7 +182,7 @@ def test_fsdp_bf16_mixed_precision_tracks_ddp_autocast(tiny_data, tmp_path):
     """bf16 compute both ways: FSDP2 casts parameters (MixedPrecisionPolicy, fp32 reduction),
     DDP runs under autocast; the matmuls round differently, but both compute the loss in fp32
     (under FSDP there is no autocast: the chunked head upcasts). Measured 4.1e-4 over 12 steps
-    (a loss rounded to bf16, as before issue 9.1's fix: 4.2e-2)."""
+    (a loss rounded to bf16, as the unchunked head once returned it under FSDP: 4.2e-2)."""
     curves = {}
     for parallel in ("ddp", "fsdp"):
         out = tmp_path / parallel

@@ -72,7 +72,7 @@ def stalled_save(state, checkpoint_id, **kw):
     if checkpoint_id.endswith("step_00000004.tmp"):
         time.sleep(600)
 dcp.save = stalled_save
-from pipeline.train import main
+from launch.train import main
 sys.exit(main(sys.argv[1:]))
 """
 

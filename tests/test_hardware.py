@@ -164,6 +164,7 @@ def test_fp32_peak_follows_tf32_setting(monkeypatch):
 @pytest.mark.parametrize("kind,expected", [("native", torch.bfloat16), ("emulated", torch.float32)])
 def test_training_mfu_uses_the_computed_dtype_and_stays_below_one(
         monkeypatch, tmp_path, tiny_data, kind, expected):
+    from launch.train import main
     from pipeline import train
 
     force(monkeypatch, kind)
@@ -173,8 +174,8 @@ def test_training_mfu_uses_the_computed_dtype_and_stays_below_one(
                         or real(device, dtype))
     args = [a if a != "fp32" else "auto" for a in TINY_ARGS]  # TINY_ARGS pins fp32
     run = tmp_path / "run"
-    assert train.main([*args, "--data.path", str(tiny_data), "--log.out_dir", str(run),
-                       "--train.max_steps", "3", "--eval.every", "0"]) == 0
+    assert main([*args, "--data.path", str(tiny_data), "--log.out_dir", str(run),
+                 "--train.max_steps", "3", "--eval.every", "0"]) == 0
     assert asked == [expected]
     mfus = [r["mfu"] for r in metrics(run) if "mfu" in r]
     assert len(mfus) == 3 and all(0 < m <= 1 for m in mfus), mfus

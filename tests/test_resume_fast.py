@@ -1,5 +1,5 @@
-"""Single-process checks of the training step that fail on the bugs a mutation review planted
-(issue 9): a resume that is not exact (loader state not restored, optimizer or schedule state
+"""Single-process checks of the training step that fail on the bugs a planted-mutation review
+found unguarded: a resume that is not exact (loader state not restored, optimizer or schedule state
 lost), a loss or gradient scaled twice, weight decay on the norm gains. One process, a tiny
 model, 8 steps: seconds, not the minutes of the distributed tests."""
 

@@ -77,7 +77,7 @@ def test_existing_run_is_never_overwritten(tiny_data, tmp_path):
     run_dir = tmp_path / "r"
     Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4"), CPU).fit()
     before = (run_dir / "metrics.jsonl").read_text()
-    res = run([sys.executable, "-m", "pipeline.train", "--data.path", str(tiny_data),
+    res = run([sys.executable, "-m", "launch.train", "--data.path", str(tiny_data),
                "--log.out_dir", str(run_dir), *TINY_ARGS, "--train.max_steps", "4"], timeout=120)
     assert res.returncode == 2 and res.stdout.strip().startswith("error: ")
     assert "--resume auto" in res.stdout and "Traceback" not in res.stdout
@@ -115,7 +115,7 @@ def test_checkpoint_errors_are_clear(tmp_path):
 
 
 def test_dry_run_prints_resolved_config(tmp_path):
-    res = run([sys.executable, "-m", "pipeline.train", "--config", "configs/tiny.toml",
+    res = run([sys.executable, "-m", "launch.train", "--config", "configs/tiny.toml",
                "--dry-run", "--train.max_steps", "7"], timeout=60)
     assert res.returncode == 0, res.stdout
     assert "max_steps = 7" in res.stdout and "accumulation" in res.stdout.lower()
@@ -141,7 +141,7 @@ def test_corrupted_shard_is_caught_by_the_training_loader(tiny_data, tmp_path):
     # Start-up checks headers and sizes only (no hashing: O(shards), not O(bytes)); a damaged
     # payload is caught when a token it yields leaves the vocabulary, on the read that meets it.
     # (An in-vocabulary change is left to `lmforge prepare --verify`, tested in test_data_prep.)
-    first_token = int(trainer.loader._order_of(0)[0]) * trainer.cfg.data.seq_len
+    first_token = int(trainer.data.loader._order_of(0)[0]) * trainer.cfg.data.seq_len
     shard = data / "train_000000.bin"
     raw = bytearray(shard.read_bytes())
     raw[HEADER_BYTES + 2 * first_token + 1] ^= 0xFF  # high byte of a uint16 id of step 1's first window

@@ -1,0 +1,132 @@
+"""The layering, read from the source with `ast`: `model/` is a pure nn.Module library (no
+process groups, no logging, nothing of the training code), `data_prep/` and `pipeline/` are
+libraries, and `launch/` is the command line on top of them. An import anywhere in a file counts,
+inside a function or under `if __name__ == "__main__":` too, since a lazy import breaks the
+layering just the same when that code runs."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> modules it must never import (a prefix forbids its submodules too).
+FORBIDDEN = {
+    "model": ("launch", "pipeline", "data_prep", "torch.distributed", "logging"),
+    "data_prep": ("launch", "pipeline"),
+    "pipeline": ("launch",),
+}
+
+
+def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in `source`, the file of dotted name `module`:
+    import statements, relative ones resolved, and importlib.import_module / __import__ calls
+    with a literal name."""
+    package = module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            parts = [*base, node.module] if node.module else base
+            # `from pipeline import train` imports pipeline.train: count the submodules too.
+            found += [(node.lineno, ".".join(parts))]
+            found += [(node.lineno, ".".join([*parts, alias.name])) for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__")):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def violations(source: str, module: str) -> list[str]:
+    banned = FORBIDDEN[module.split(".")[0]]
+    return [f"{module}:{line} imports {name}" for line, name in imported_modules(source, module)
+            if any(name == b or name.startswith(b + ".") for b in banned)]
+
+
+def test_libraries_never_import_the_layers_above_them():
+    problems = []
+    for package in FORBIDDEN:
+        files = sorted((ROOT / package).rglob("*.py"))
+        assert files, f"no sources found under {ROOT / package}"
+        for path in files:
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            problems += violations(path.read_text(encoding="utf-8"), module)
+    assert not problems, "layering broken:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("module, source", [
+    ("pipeline.train", "if __name__ == '__main__':\n    from launch.cli import run_user_command\n"),
+    ("pipeline.x", "def f():\n    import launch.train\n"),
+    ("pipeline.x", "from .. import launch\n"),
+    ("pipeline.x", "import importlib\nimportlib.import_module('launch.cli')\n"),
+    ("model.model", "import torch.distributed as dist\n"),
+    ("model.model", "from pipeline import checkpoint\n"),
+    ("model.model", "import logging\n"),
+    ("data_prep.shards", "from pipeline.config import ConfigError\n"),
+])
+def test_the_check_sees_every_form_of_import(module, source):
+    assert violations(source, module), source
+
+
+def test_allowed_imports_pass():
+    source = "import torch\nfrom torch import nn\nfrom model.model import GPT\nfrom . import generate\n"
+    assert not violations(source, "model.hf")
+    assert not violations("from data_prep.shards import load_manifest\n", "pipeline.data")
+
+
+# ---- the parallel wrapper's contract: mode-specific behaviour stays inside ParallelModel -------
+
+
+class _SyncRecorder(nn.Module):
+    """Stands in for a DDP / FSDP module: records what a micro-step asks of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:  # FSDP2's persistent switch
+        self.calls.append(f"sync={sync}")
+
+    @contextlib.contextmanager
+    def no_sync(self):  # DDP's scoped one
+        self.calls.append("no_sync enter")
+        try:
+            yield
+        finally:
+            self.calls.append("no_sync exit")
+
+
+@pytest.mark.parametrize("mode, skipped", [
+    ("fsdp", ["sync=False", "sync=True"]),
+    ("ddp", ["no_sync enter", "no_sync exit"]),
+    ("none", []),
+])
+def test_micro_step_is_scoped_and_restores_syncing_even_on_error(mode, skipped):
+    from pipeline.parallelize import ParallelModel, Precision
+
+    pm = ParallelModel(_SyncRecorder(), mode, Precision(torch.float32, torch.device("cpu")))
+    with pytest.raises(RuntimeError, match="inside"), pm.micro_step(sync=False):
+        assert pm.module.calls == skipped[:1]  # in force for the forward, not only the backward
+        raise RuntimeError("inside")
+    assert pm.module.calls == skipped  # FSDP's switch is back on after the micro-step
+    with pm.micro_step(sync=True):
+        pass
+    assert pm.module.calls == skipped  # a syncing micro-step needs nothing of the module
+
+
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, True), (torch.float32, False)])
+def test_precision_autocasts_a_plain_module_exactly_when_computing_in_bf16(dtype, autocast):
+    from pipeline.parallelize import Precision
+
+    with Precision(dtype, torch.device("cpu")).autocast(nn.Linear(2, 2)):
+        assert torch.is_autocast_enabled("cpu") is autocast
