@@ -126,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt = read_prompt(args)
     device = pick_device(args.device, 0)
     ckpt = load_for_inference(args.ckpt, device)
-    dtype = resolve_dtype(args.dtype, device)
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
-    context = ckpt.config.max_seq_len
     ids = encode_prompt(enc, prompt)
-    sampling = fit_to_context(sampling, len(ids), context)
+    sampling = fit_to_context(sampling, len(ids), ckpt.config.max_seq_len)
+    dtype = resolve_dtype(args.dtype, device)  # after every check: a mistake costs no probe
     seed = random.randrange(2**31) if args.seed is None else args.seed
     if args.seed is None:
         print(f"note: seed {seed} (pass --seed {seed} to repeat)", file=sys.stderr)

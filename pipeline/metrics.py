@@ -35,7 +35,9 @@ class _TqdmHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            # The stream of the moment, not the one at set-up: a caller (a test harness, a
+            # notebook) may have replaced sys.stderr and closed the old one since.
+            tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # logging must never take the run down
             self.handleError(record)
 
