@@ -248,11 +248,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, per_token):
         ctx.args = (vocab_size, ignore_index, chunk)
         ctx.per_token = per_token
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        if per_token or not needs_grad:
+        if per_token:
             ctx.save_for_backward(h_ND, w_VD, targets_N)
             loss_N, _, _ = _head_loss_chunks(h_ND, w_VD, targets_N, *ctx.args)
-            return loss_N if per_token else loss_N.sum()
+            return loss_N
         ones_N = torch.ones(len(targets_N), device=h_ND.device)
         loss_N, grad_h_ND, grad_w_VD = _head_loss_chunks(h_ND, w_VD, targets_N, *ctx.args, ones_N)
         ctx.save_for_backward(grad_h_ND, grad_w_VD.to(w_VD.dtype))
@@ -279,9 +278,13 @@ def chunked_cross_entropy(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
-    loss = _ChunkedCrossEntropy.apply(
-        h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, reduction == "none"
-    )
+    if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
+        loss = _ChunkedCrossEntropy.apply(
+            h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, reduction == "none"
+        )
+    else:  # evaluation: the loss alone (the Function would also build the gradients)
+        loss_N, _, _ = _head_loss_chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk)
+        loss = loss_N if reduction == "none" else loss_N.sum()
     if reduction == "none":
         return loss.view(targets_BT.shape)
     if reduction == "mean":
