@@ -308,17 +308,23 @@ def check_same_model(meta: CheckpointMeta, model_cfg: ModelConfig, where: Path) 
         )
 
 
-def load_training(
-    ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, model_cfg: ModelConfig,
-    info: DistInfo,
-) -> CheckpointMeta:
-    """Collective: check the checkpoint is of `model_cfg`, restore model + optimizer (resharding
-    as needed) and this rank's RNG; return its meta."""
+def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig) -> CheckpointMeta:
+    """The meta of a checkpoint to resume `model_cfg` from, refused with one line if it is of
+    another model or holds no training state. Read before anything is built, so a refused resume
+    costs nothing."""
     meta = read_meta(ckpt_dir)
     check_same_model(meta, model_cfg, ckpt_dir)
     if meta.loader is None:
         raise CheckpointError(f"{ckpt_dir} holds no training state (an export); "
                               "resume from a checkpoints/step_* directory")
+    return meta
+
+
+def load_training(
+    ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
+) -> None:
+    """Collective: restore model + optimizer (resharding as needed) and this rank's RNG from a
+    checkpoint accepted by `read_resumable`."""
     reader = SafeFileSystemReader(ckpt_dir)
     reader.read_metadata()  # refuse a crafted .metadata before DCP touches it, with our message
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -331,7 +337,6 @@ def load_training(
     rng_file = ckpt_dir / f"rng_rank{info.rank:05d}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than wrote the checkpoint
         _set_rng_state(torch.load(rng_file, weights_only=True))
-    return meta
 
 
 # --------------------------------------------------------------------------------------------

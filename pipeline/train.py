@@ -241,8 +241,8 @@ class Trainer:
         self.model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.path).vocab_size)
         grad_accum_steps = self.derived.grad_accum_steps  # a batch that does not divide: error
         resume_from = find_resume(cfg, self.run_dir)
-        if resume_from is not None:  # a refused resume costs nothing: checked before any build
-            ckpt.check_same_model(ckpt.read_meta(resume_from), self.model_cfg, resume_from)
+        resume_meta = None if resume_from is None else ckpt.read_resumable(resume_from,
+                                                                           self.model_cfg)
 
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
                                grad_accum_steps=grad_accum_steps, info=info)
@@ -256,8 +256,8 @@ class Trainer:
                                          self.precision.dtype)
         self.step, self.bad_steps = 0, 0
         self.lineage, self.parent_step = ckpt.new_lineage(), None
-        if resume_from is not None:
-            self._resume(resume_from)
+        if resume_meta is not None:
+            self._resume(resume_from, resume_meta)
 
         self.metrics = self._open_run_dir()
         self.peak = peak_flops(info.device, self.precision.dtype)  # the dtype matmuls run in
@@ -271,9 +271,8 @@ class Trainer:
         """Recomputed on use: the time budget may change the run's length in cfg."""
         return derive(self.cfg, self.info.world_size)
 
-    def _resume(self, where: Path) -> None:
-        meta = ckpt.load_training(where, self.parallel.module, self.optimizer, self.model_cfg,
-                                  self.info)
+    def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:
+        ckpt.load_training(where, self.parallel.module, self.optimizer, self.info)
         self.data.loader.load_state_dict(meta.loader)
         self.step, self.bad_steps = meta.step, meta.bad_steps
         self.lineage, self.parent_step = meta.lineage, meta.step
