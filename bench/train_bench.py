@@ -2,15 +2,19 @@
 transformers' LlamaForCausalLM, at two shapes (a GPT-2-size vocabulary, where the head
 dominates, and a small one), in the dtype train.dtype=auto picks here.
 
-    python bench/train_bench.py               # 2 interleaved rounds, both shapes (~8 min, 2 cores)
+    python bench/train_bench.py               # 2 rounds, both shapes, memory (~25 min, 2 cores)
     python bench/train_bench.py --quick       # shape B only, 1 round, few steps (smoke test)
 
-Every configuration runs in a fresh process (its peak RSS is its own, its compile cold except
-for inductor's on-disk cache in later rounds), configurations interleaved round after round:
+Every configuration runs in a fresh process (its peak RSS is its own; its compile warm from
+inductor's on-disk cache after the first time: a cold compile is measured apart, once per shape),
+configurations interleaved round after round:
 on a noisy machine only ratios measured in the same run mean anything, and the spread shows
 how much. A training step is the same for all: forward + mean cross-entropy, backward,
 gradient clipping at 1.0, AdamW. lmforge's step is the pipeline's (parallelize: compile of the
-whole forward + chunked loss); the references are compiled whole (model + loss).
+forward, the chunked loss eager); the references are compiled whole (model + loss). `faults` is
+the minor page faults of a step (a fresh big tensor costs one per 4 KiB on CPU). Then: the cold
+compile, and memory at shape A (peak RSS at batch 1 and 8, the largest micro-batch lmforge fits
+in HF's peak, searched). bench/profile_step.py shows where a step's time goes.
 
 Same FLOPs everywhere: lmforge's SwiGLU MLP with d_mlp 688 (3 matrices) = GPT-2's 4d GELU MLP
 (2 matrices of 1024); the head is D x 50,304 (shape A, GPT-2 vocabulary padded) or 4,096 (B).
@@ -20,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -124,23 +130,33 @@ def worker(impl: str, vocab: int, compile_model: bool, steps: int, batch: int) -
     build = {"lmforge": build_lmforge, "gpt2": build_gpt2, "hf": build_hf}[impl]
     model, step, opt = build(vocab, compile_model)
     x_BT, y_BT = torch.randint(0, vocab, (2, batch, T))
-    times = []
+    base_mb = rss_mb()
+    times, faults = [], []
     for _ in range(steps + 2):  # 2 warm-up steps: the compile, then the first compiled step
-        t0 = time.perf_counter()
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         step(x_BT, y_BT).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"tok_s": batch * T / statistics.median(times[2:]), "first_step_s": times[0],
-            "steady_s": statistics.median(times[2:]),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "steady_s": statistics.median(times[2:]), "peak_rss_mb": peak_mb,
+            "base_rss_mb": base_mb, "train_mb": peak_mb - base_mb,
+            "faults_per_step": statistics.median(faults[2:])}
 
 
-def measure(impl, vocab, compile_model, steps, batch=BATCH) -> dict:
+def rss_mb() -> float:
+    """Resident set now (/proc/self/statm; Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure(impl, vocab, compile_model, steps, batch=BATCH, env=None) -> dict:
     cmd = [sys.executable, __file__, "--worker", impl, str(vocab), str(int(compile_model)),
            str(steps), str(batch)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -148,23 +164,62 @@ def name(impl, comp):
     return f"{impl} {'compiled' if comp else 'eager'}"
 
 
+# glibc keeps some freed blocks for reuse, so a process's peak RSS also depends on what the
+# allocator held on to. A fixed mmap threshold hands every block >= 1 MiB back to the OS on free:
+# RSS then follows the live tensors, for every implementation alike.
+LIVE_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+
+
 def memory_section(vocab: int) -> None:
-    """Peak RSS at batch 1 and BATCH per impl: slope = memory per sequence; the batch that fits
-    in HF's peak at BATCH is estimated from it (not searched)."""
-    print(f"\nmemory at shape A (compiled, peak RSS of a fresh process, batch 1 and {BATCH}):")
+    """Peak RSS at batch 1 and BATCH per configuration (fresh process, 2 steps, LIVE_RSS_ENV).
+    The budget is HF's lowest peak at BATCH; lmforge's largest micro-batch within it is
+    estimated from its per-sequence slope, then run, and stepped down until it fits."""
+    env = {**os.environ, **LIVE_RSS_ENV}
+    configs = [("lmforge", False), ("lmforge", True), ("hf", False), ("hf", True)]
+    print(f"\nmemory at shape A (peak RSS of a fresh process, 2 steps, {LIVE_RSS_ENV}):")
     fit = {}
-    for impl in ("lmforge", "hf"):
-        small, big = (measure(impl, vocab, True, 2, b)["peak_rss_mb"] for b in (1, BATCH))
-        slope = (big - small) / (BATCH - 1)
-        fit[impl] = (small - slope, slope, big)
-        print(f"  {impl:8} batch 1 {small:6.0f} MB, batch {BATCH} {big:6.0f} MB, "
-              f"{slope:5.0f} MB per sequence of {T}")
-    budget = fit["hf"][2]
-    for impl, (base, slope, _) in fit.items():
-        print(f"  {impl:8} fits batch {(budget - base) / slope:5.1f} in {budget:.0f} MB (HF's peak "
-              f"at batch {BATCH}; estimated from the slope)")
-    print(f"  micro-batch ratio lmforge/HF in that budget: "
-          f"{((budget - fit['lmforge'][0]) / fit['lmforge'][1]) / BATCH:.2f}x")
+    for impl, comp in configs:
+        small, big = (measure(impl, vocab, comp, 2, b, env) for b in (1, BATCH))
+        slope = (big["peak_rss_mb"] - small["peak_rss_mb"]) / (BATCH - 1)
+        fit[impl, comp] = (small["peak_rss_mb"] - slope, slope, big)
+        print(f"  {name(impl, comp):18} peak {small['peak_rss_mb']:6.0f} MB at batch 1, "
+              f"{big['peak_rss_mb']:6.0f} MB at batch {BATCH} ({big['train_mb']:5.0f} MB above the "
+              f"built model), {slope:4.0f} MB per sequence of {T}, {big['tok_s']:5.0f} tok/s")
+    budget = min(fit["hf", c][2]["peak_rss_mb"] for c in (False, True))
+    print(f"  budget: HF's lowest peak at batch {BATCH}, {budget:.0f} MB")
+    for comp in (False, True):
+        base, slope, at_batch = fit["lmforge", comp]
+        print(f"  lmforge {name('', comp).strip()}: peak at batch {BATCH} = "
+              f"{at_batch['peak_rss_mb'] / budget:.2f}x HF's")
+        batch, tried = int((budget - base) / slope), {}
+        while batch > BATCH and batch not in tried:
+            tried[batch] = peak = measure("lmforge", vocab, comp, 2, batch, env)["peak_rss_mb"]
+            print(f"    batch {batch}: peak {peak:.0f} MB ({'fits' if peak <= budget else 'over'})")
+            if peak <= budget and batch + 1 in tried:
+                break
+            # Secant through batch BATCH and this one (the small-batch slope can mislead), then
+            # one step at a time around the crossing.
+            slope = (peak - at_batch["peak_rss_mb"]) / (batch - BATCH)
+            guess = BATCH + int((budget - at_batch["peak_rss_mb"]) / slope)
+            batch = guess if guess not in tried else batch + 1 if peak <= budget else batch - 1
+        batch = max((b for b, p in tried.items() if p <= budget), default=BATCH)
+        print(f"    largest micro-batch in HF's budget: {batch} = {batch / BATCH:.2f}x HF's {BATCH}")
+
+
+def cold_compile(shapes: dict[str, int], res: dict) -> None:
+    """lmforge's first compiled step with an empty inductor cache, less a steady step: the cost
+    train.compile = auto weighs on CPU (pipeline.parallelize.CPU_COLD_COMPILE_S), and what the
+    measured gain repays it in."""
+    print("\ncold compile of lmforge (empty inductor cache; first step - steady step):")
+    for s, vocab in shapes.items():
+        with tempfile.TemporaryDirectory() as cache:
+            r = measure("lmforge", vocab, True, 2, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+        gain = (statistics.median(x["tok_s"] for x in res[s, "lmforge", True])
+                / statistics.median(x["tok_s"] for x in res[s, "lmforge", False]))
+        cold = r["first_step_s"] - r["steady_s"]
+        saved = 1 - 1 / gain
+        repaid = f"repaid after {cold / saved:.0f} s of eager training" if saved > 0 else "never repaid"
+        print(f"  {s}: {cold:.1f} s; compiled/eager {gain:.2f}x -> {repaid}")
 
 
 def main() -> None:
@@ -201,7 +256,7 @@ def main() -> None:
                 print(f"  [{s} {name(impl, comp)}: {r['tok_s']:.0f} tok/s, {r['peak_rss_mb']:.0f} MB]",
                       file=sys.stderr, flush=True)  # partial results survive an interrupted run
     print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'median':>7} {'MFU':>6} "
-          f"{'RSS MB':>7} {'1st step':>8}  lmforge compiled / this")
+          f"{'RSS MB':>7} {'faults':>7} {'1st step':>8}  lmforge compiled / this")
     for s, vocab in shapes.items():
         cfg = ModelConfig(vocab_size=vocab, n_layer=L, n_head=H, d_model=D, d_mlp=D_MLP, max_seq_len=T)
         with torch.device("meta"):
@@ -213,7 +268,10 @@ def main() -> None:
             ratio = med["lmforge", True] / med[impl, comp]
             print(f"{s:5} {name(impl, comp):18} {per_round:>22} {med[impl, comp]:7.0f} "
                   f"{fpt * med[impl, comp] / peak:6.1%} {max(r['peak_rss_mb'] for r in runs):7.0f} "
+                  f"{statistics.median(r['faults_per_step'] for r in runs):7.0f} "
                   f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s  {ratio:.2f}x")
+    if not a.quick:
+        cold_compile(shapes, res)
     if not (a.quick or a.no_memory):
         memory_section(SHAPES["A"])
 

@@ -32,8 +32,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     matmuls emulate at several times the cost of fp32); the trainer passes its compute dtype."""
     if cfg.name == "adamw":
         return _adamw(model.parameters(), cfg, device)
-    matrices = [p for name, p in model.named_parameters()
-                if p.requires_grad and ".blocks." in f".{name}" and p.ndim == 2]
+    matrices = [p for name, p in model.named_parameters() if is_muon_matrix(name, p)]
     chosen = {id(p) for p in matrices}
     others = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
     muon = Muon(
@@ -41,6 +40,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
         nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype,
     )
     return Optimizers(_adamw(others, cfg, device), muon)
+
+
+def is_muon_matrix(name: str, param: nn.Parameter) -> bool:
+    """Whether optim.name = "muon" gives `param` to Muon: the transformer blocks' 2-D matrices."""
+    return param.requires_grad and ".blocks." in f".{name}" and param.ndim == 2
 
 
 def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:

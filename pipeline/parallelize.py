@@ -1,10 +1,9 @@
 """Apply activation checkpointing, torch.compile and DDP / FSDP2 to a plain `GPT` from outside.
 
 The model file knows nothing of any of this (torchtitan's pattern). The order is fixed:
-activation checkpointing (per block) -> compile -> data parallelism. Compile covers the whole
-forward and the chunked LM-head loss, where most FLOPs and elementwise passes are; under FSDP2
-the compiled regions are its units instead (each block, then norm + head + loss), since FSDP's
-all-gather hooks run between them.
+activation checkpointing (per block) -> compile -> data parallelism. Compile covers the forward
+but the chunked LM-head loss, which stays eager (see compile_regions); under FSDP2 the compiled
+regions are its units instead (each block), since FSDP's all-gather hooks run between them.
 
 `parallelize` returns a `ParallelModel`: the wrapped module with the two things that differ
 between the modes, the micro-step's gradient sync and the autocast, so the training loop never
@@ -40,12 +39,14 @@ def resolve_parallel(requested: str, info: DistInfo) -> str:
     return requested
 
 
-# Cold compile (first step) of the whole forward + loss + backward, measured on a 2-core AVX2
-# CPU under load: 25-35 s for 2-4 layers (bench/train_bench.py prints it). Compile gains ~15 %
-# there, so it repays the cold compile once a run's eager time exceeds ~7 compiles; 10 leaves
-# margin for the extra eval graph and for CPUs where compile gains less.
-CPU_COLD_COMPILE_S = 30.0
-CPU_COMPILE_PAYBACK = 10.0
+# Cold compile (first step minus a steady step, empty inductor cache) of the forward + loss +
+# backward, measured on a 2-core AVX2 CPU (bench/train_bench.py shapes): 31.6 s at V 4,096,
+# 30.9 s at V 50,304. Compile gained 1.07x (V 4k) and 1.03x (V 50k) there (the matmuls and SDPA,
+# 80-90 % of a step, are the same kernels compiled or not: bench/profile_step.py), i.e. it saves
+# 3-7 % of the eager time: the ~31 s repay after 450-1,000 s of eager training. 20 cold
+# compiles (~10 min) is the V 4k break-even with room for the eval graph's own compile.
+CPU_COLD_COMPILE_S = 31.0
+CPU_COMPILE_PAYBACK = 20.0
 
 
 def resolve_compile(
@@ -54,7 +55,7 @@ def resolve_compile(
 ) -> bool:
     """train.compile on|off|auto -> whether to compile. auto: always on CUDA; on CPU only when
     the run's estimated eager time (seconds; None = unknown) is at least CPU_COMPILE_PAYBACK
-    times the cold compile, i.e. when the ~15 % compile gains repays the compile."""
+    times the cold compile, i.e. when compile's few-percent gain repays the compile."""
     if requested != "auto":
         return requested == "on"
     if device.type == "cuda":
@@ -156,12 +157,15 @@ def compile_regions(model: GPT, per_block: bool) -> None:
     `_orig_mod.` prefix, so checkpoints load the same whether or not the run was compiled.
     dynamic=False: training's one shape and eval's one shape get a static graph each (eval
     batches are padded to one shape), instead of a slower dynamic-shape graph after eval."""
+    # The chunked LM-head loss stays eager: it writes every chunk into reused buffers (out=, in
+    # place), which inductor turns into fresh tensors and copies; compiled it measured 0.75x of
+    # eager with 4x the page faults at V 50k (bench/profile_step.py). Its matmuls dominate anyway.
+    model.head_loss = torch.compiler.disable(model.head_loss)
     if not per_block:
         model.compile(dynamic=False)
         return
     for block in model.blocks:
         block.compile(dynamic=False)
-    model.head_loss = torch.compile(model.head_loss, dynamic=False)
 
 
 def compiled_graphs() -> int:

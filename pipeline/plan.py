@@ -24,8 +24,10 @@ from dataclasses import dataclass, replace
 from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
+from model.model import LOSS_CHUNK_ELEMS
 from pipeline.config import ConfigError, JobConfig, derive
 from pipeline.hardware import GPU_PEAKS  # the datasheet table, kept in one place
+from pipeline.optim import is_muon_matrix
 
 FP32, BF16 = 4, 2
 GiB = 2**30
@@ -74,13 +76,17 @@ class State:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes(shapes: list[tuple[int, ...]], world: int, sharded: bool, rank: int = 0) -> State:
-    """fp32 parameters, fp32 gradients and AdamW (exp_avg, exp_avg_sq, step) on `rank`."""
-    numel = 0
-    for shape in shapes:
+def state_bytes(shapes: list[tuple[int, ...]], world: int, sharded: bool, rank: int = 0,
+                muon: list[bool] | None = None) -> State:
+    """fp32 parameters, fp32 gradients and optimizer state on `rank`: AdamW's exp_avg, exp_avg_sq
+    and step, or for the parameters `muon` marks, Muon's one momentum buffer."""
+    numel = state = 0
+    for shape, by_muon in zip(shapes, muon or [False] * len(shapes), strict=True):
         rows = local_rows(shape[0], world, rank) if sharded else shape[0]
-        numel += rows * math.prod(shape[1:])
-    return State(FP32 * numel, FP32 * numel, 2 * FP32 * numel + FP32 * len(shapes))
+        n = rows * math.prod(shape[1:])
+        numel += n
+        state += FP32 * n if by_muon else 2 * FP32 * n + FP32
+    return State(FP32 * numel, FP32 * numel, state)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -101,11 +107,18 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
     # swiglu: up's output (gate and up halves), silu(gate), the gated product; gelu: in and out.
     mlp = 4 * a * F if m.mlp == "swiglu" else 2 * a * F
     block = norms + matmul_inputs + attn + mlp
-    # Final norm, LM-head input, fp32 log-probs (cross-entropy), int64 input ids and targets.
-    head = FP32 * D + FP32 + a * D + FP32 * m.padded_vocab_size + 8 + 8
+    # Final norm, LM-head input and its gradient (the chunked loss computes it in forward), int64
+    # input ids and targets. The logits are never kept: see head_loss_bytes.
+    head = FP32 * D + FP32 + a * D + a * D + 8 + 8
     # Checkpointing keeps each block's fp32 input; backward rebuilds one block at a time.
     blocks = FP32 * D * m.n_layer + block if checkpointing else block * m.n_layer
     return batch * seq_len * (blocks + head)
+
+
+def head_loss_bytes(m: ModelConfig) -> int:
+    """What the chunked LM-head loss holds whatever the batch: two fp32 chunk buffers of
+    loss_chunk_tokens x V (model.model.LOSS_CHUNK_ELEMS each) and the head's fp32 gradient."""
+    return 2 * FP32 * LOSS_CHUNK_ELEMS + FP32 * m.padded_vocab_size * m.d_model
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -118,13 +131,14 @@ class Strategy:
     accumulated: int  # FSDP2 accumulating without sync keeps unsharded gradients between micro-steps
     activations: int
     activations_ac: int
+    head_loss: int  # chunked loss buffers + the head's gradient, during the loss
     all_gather: int  # bytes per optimizer step, whole tensors (each GPU sends (W-1)/W of them)
     reduce_scatter: int
     all_reduce: int  # a ring all-reduce sends 2 (W-1)/W of it per GPU
 
     def peak(self, checkpointing: bool) -> int:
         acts = self.activations_ac if checkpointing else self.activations
-        return self.state.total + self.compute_copy + self.accumulated + acts
+        return self.state.total + self.compute_copy + self.accumulated + acts + self.head_loss
 
 
 def _blocks_bytes(model: GPT) -> tuple[int, int]:
@@ -145,23 +159,26 @@ def meta_model(model_cfg: ModelConfig) -> GPT:
 def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strategy]:
     model_cfg = model.cfg
     shapes = [tuple(p.shape) for p in model.parameters()]
+    muon = [cfg.optim.name == "muon" and is_muon_matrix(n, p) for n, p in model.named_parameters()]
     n = model.num_params()
     accum = derive(cfg, world).grad_accum_steps
     mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
     acts = activation_bytes(model_cfg, mb, T, bf16, False)
     acts_ac = activation_bytes(model_cfg, mb, T, bf16, True)
+    head = head_loss_bytes(model_cfg)
     p_bytes = BF16 if bf16 else FP32
     block, outside = _blocks_bytes(model)
-    ddp = Strategy("DDP", state_bytes(shapes, world, sharded=False),
+    ddp = Strategy("DDP", state_bytes(shapes, world, sharded=False, muon=muon),
                    compute_copy=BF16 * n if bf16 else 0, accumulated=0, activations=acts, activations_ac=acts_ac,
+                   head_loss=head,
                    all_gather=0, reduce_scatter=0, all_reduce=FP32 * n if world > 1 else 0)
     # FSDP2: the root's parameters (embedding / LM head) stay gathered from forward to backward;
     # one block is gathered while the next is prefetched. Parameters are gathered in forward and
     # again in backward on every micro-step; gradients reduce-scatter on the last one only.
-    fsdp = Strategy("FSDP2", state_bytes(shapes, world, sharded=True),
+    fsdp = Strategy("FSDP2", state_bytes(shapes, world, sharded=True, muon=muon),
                     compute_copy=p_bytes * (outside + 2 * block) if world > 1 else 0,
                     accumulated=FP32 * n if world > 1 and accum > 1 else 0,
-                    activations=acts, activations_ac=acts_ac,
+                    activations=acts, activations_ac=acts_ac, head_loss=head,
                     all_gather=2 * accum * p_bytes * n if world > 1 else 0,
                     reduce_scatter=FP32 * n if world > 1 else 0, all_reduce=0)
     return [ddp, fsdp]
@@ -211,14 +228,17 @@ def report(cfg: JobConfig, nproc: int, nnodes: int, gpu_name: str, mfu: float) -
     ]
     model = meta_model(model_cfg)
     ddp, fsdp = strategies(cfg, model, world, bf16)
+    muon = cfg.optim.name == "muon"
+    optimizer_label = "Muon+AdamW state (1|2 moments)" if muon else "AdamW state (2 fp32 moments)"
     rows = [
         ("parameters (fp32)", lambda s: s.state.params),
         ("gradients (fp32)", lambda s: s.state.grads),
-        ("AdamW state (2 fp32 moments)", lambda s: s.state.optimizer),
+        (optimizer_label, lambda s: s.state.optimizer),
         ("bf16 weight copies (transient)", lambda s: s.compute_copy),
         ("unsharded grads (accumulation)", lambda s: s.accumulated),
         ("activations / micro-batch", lambda s: s.activations),
         ("  with activation checkpointing", lambda s: s.activations_ac),
+        ("chunked LM-head loss buffers", lambda s: s.head_loss),
         (f"peak (checkpointing {'on' if with_ac else 'off'})", lambda s: s.peak(with_ac)),
     ]
     lines += [f"{label:<34}{_gib(f(ddp)):>14}{_gib(f(fsdp)):>14}" for label, f in rows]

@@ -48,6 +48,25 @@ def test_state_bytes_equal_a_real_single_process_run():
     assert real_state_bytes(GPT(SMALL)) == planned(1, False, 0)
 
 
+def test_muon_state_bytes_equal_a_real_run():
+    """optim.name = "muon": one momentum per block matrix, AdamW's two moments + step elsewhere."""
+    from pipeline.config import OptimConfig
+    from pipeline.optim import build_optimizer, is_muon_matrix
+
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    opt = build_optimizer(model, OptimConfig(name="muon"), torch.device("cpu"))
+    x = torch.randint(0, SMALL.vocab_size, (2, 32))
+    model(x, x).backward()
+    opt.step()
+    real = sum(v.nbytes for o in opt.optimizers for s in o.state.values() for v in s.values())
+    muon = [is_muon_matrix(n, p) for n, p in model.named_parameters()]
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert any(muon) and not all(muon)
+    assert state_bytes(shapes, 1, False, muon=muon).optimizer == real
+    assert real < planned(1, False, 0)["optimizer"]  # fewer bytes than AdamW's: a real difference
+
+
 def test_state_bytes_equal_real_fsdp_shards_on_2_ranks():
     res = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(ROOT / "tests" / "test_plan.py")], timeout=240)

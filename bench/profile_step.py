@@ -1,0 +1,100 @@
+"""Where a training step's time goes: torch.profiler over steady-state steps of one configuration
+of bench/train_bench.py (same model, batch and step), grouped into what compile can and cannot
+change, plus the page faults a step takes (a CPU allocator returning big tensors to the OS costs
+a fault per 4 KiB page the next time they are allocated).
+
+    python bench/profile_step.py lmforge --shape A            # eager
+    python bench/profile_step.py hf --shape A --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_bench as tb  # noqa: E402
+
+# First matching substring of the op name wins.
+CATEGORIES = [
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("attention", ("scaled_dot_product", "flash_attention")),
+    ("softmax / cross-entropy", ("softmax", "logsumexp", "nll_loss", "cross_entropy", "aten::exp",
+                                 "aten::gather", "aten::scatter")),
+    ("optimizer", ("_foreach", "adam", "Optimizer.step", "clip_grad", "aten::norm",
+                   "linalg_vector_norm")),
+    ("compiled kernels (fused)", ("CompiledFunction", "Torch-Compiled Region", "cpp_fused",
+                                  "graph_")),
+    ("embedding", ("embedding",)),
+    ("copies / allocation", ("aten::copy_", "aten::empty", "aten::zeros", "aten::zero_",
+                             "aten::fill_", "aten::clone", "aten::cat", "aten::contiguous",
+                             "aten::to", "aten::_to_copy")),
+]
+
+
+def category(op: str) -> str:
+    low = op.lower()
+    for cat, keys in CATEGORIES:
+        if any(k.lower() in low for k in keys):
+            return cat
+    return "other elementwise / framework"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("impl", choices=["lmforge", "gpt2", "hf"])
+    p.add_argument("--shape", choices=list(tb.SHAPES), default="A")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=15)
+    a = p.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    vocab = tb.SHAPES[a.shape]
+    build = {"lmforge": tb.build_lmforge, "gpt2": tb.build_gpt2, "hf": tb.build_hf}[a.impl]
+    model, step, opt = build(vocab, a.compile)
+    x_BT, y_BT = torch.randint(0, vocab, (2, tb.BATCH, tb.T))
+
+    def one_step():
+        step(x_BT, y_BT).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        one_step()
+    faults0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    for _ in range(a.steps):
+        one_step()
+    wall = (time.perf_counter() - t0) / a.steps
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(a.steps):
+            one_step()
+
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / a.steps
+    by_cat = defaultdict(float)
+    for e in events:
+        by_cat[category(e.key)] += e.self_cpu_time_total / a.steps
+    print(f"{a.impl} {'compiled' if a.compile else 'eager'} shape {a.shape} (V {vocab}): "
+          f"{wall * 1e3:.0f} ms/step unprofiled, {tb.BATCH * tb.T / wall:.0f} tok/s, "
+          f"{faults:.0f} minor page faults/step ({faults * 4 / 1024:.0f} MiB faulted in)")
+    print(f"self CPU time per step by category (profiled, {total / 1e3:.0f} ms):")
+    for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        print(f"  {cat:32} {us / 1e3:8.1f} ms  {us / total:6.1%}")
+    print(f"top {a.top} ops by self CPU time per step:")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: a.top]:
+        print(f"  {e.key[:60]:60} {e.self_cpu_time_total / a.steps / 1e3:8.1f} ms "
+              f"x{e.count // a.steps:<5} [{category(e.key)}]")
+
+
+if __name__ == "__main__":
+    main()
