@@ -10,7 +10,6 @@ a fault per 4 KiB page the next time they are allocated).
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from collections import defaultdict
@@ -53,28 +52,17 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     a = p.parse_args()
 
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
     vocab = tb.SHAPES[a.shape]
-    build = {"lmforge": tb.build_lmforge, "gpt2": tb.build_gpt2, "hf": tb.build_hf}[a.impl]
-    model, step, opt = build(vocab, a.compile)
-    x_BT, y_BT = torch.randint(0, vocab, (2, tb.BATCH, tb.T))
-
-    def one_step():
-        step(x_BT, y_BT).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    one_step = tb.training_step(a.impl, vocab, a.compile, tb.BATCH)
     for _ in range(2):
         one_step()
-    faults0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    faults0, t0 = tb.minor_faults(), time.perf_counter()
     for _ in range(a.steps):
         one_step()
     wall = (time.perf_counter() - t0) / a.steps
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.steps
+    faults = (tb.minor_faults() - faults0) / a.steps
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             one_step()

@@ -123,23 +123,38 @@ def build_hf(vocab: int, compile_model: bool):
     return hf, step, opt
 
 
-def worker(impl: str, vocab: int, compile_model: bool, steps: int, batch: int) -> dict:
+def training_step(impl: str, vocab: int, compile_model: bool, batch: int):
+    """The step every configuration runs, as a function of no arguments on a fixed random batch:
+    forward + mean cross-entropy, backward, gradient clipping at 1.0, AdamW."""
     import torch
 
     torch.manual_seed(0)
     build = {"lmforge": build_lmforge, "gpt2": build_gpt2, "hf": build_hf}[impl]
     model, step, opt = build(vocab, compile_model)
     x_BT, y_BT = torch.randint(0, vocab, (2, batch, T))
-    base_mb = rss_mb()
-    times, faults = [], []
-    for _ in range(steps + 2):  # 2 warm-up steps: the compile, then the first compiled step
-        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+
+    def one_step() -> None:
         step(x_BT, y_BT).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return one_step
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def worker(impl: str, vocab: int, compile_model: bool, steps: int, batch: int) -> dict:
+    one_step = training_step(impl, vocab, compile_model, batch)
+    base_mb = rss_mb()
+    times, faults = [], []
+    for _ in range(steps + 2):  # 2 warm-up steps: the compile, then the first compiled step
+        f0, t0 = minor_faults(), time.perf_counter()
+        one_step()
         times.append(time.perf_counter() - t0)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        faults.append(minor_faults() - f0)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"tok_s": batch * T / statistics.median(times[2:]), "first_step_s": times[0],
             "steady_s": statistics.median(times[2:]), "peak_rss_mb": peak_mb,

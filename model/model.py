@@ -207,16 +207,18 @@ def _head_loss_chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, gr
 
     The logits are upcast before the log-softmax, so the loss is fp32 whatever the matmul dtype.
     Padded vocabulary columns get -inf: no probability mass, hence no gradient. Every chunk reuses
-    one fp32 buffer for its logits, then (in place) its log-probabilities and its gradient: a
-    fresh C×V tensor per chunk costs a page fault per 4 KiB on CPU (the allocator hands such
-    sizes back to the OS), and each extra pass over it is memory traffic. The per-token scale
-    is applied to the D-wide factors, never to the C×V gradient."""
+    two fp32 buffers, one for its logits and one for its log-probabilities, then (in place) its
+    gradient: a fresh C×V tensor per chunk costs a page fault per 4 KiB on CPU (the allocator
+    hands such sizes back to the OS), and each extra pass over it is memory traffic. The
+    per-token scale is applied to the D-wide factors, never to the C×V gradient."""
     N, V = len(targets_N), w_VD.shape[0]
     f32 = dict(dtype=torch.float32, device=h_ND.device)
     valid_N = targets_N != ignore_index
     safe_N = torch.where(valid_N, targets_N, 0)
     loss_N = torch.empty(N, **f32)
-    buf_CV, logp_CV = torch.empty(min(chunk, N), V, **f32), torch.empty(min(chunk, N), V, **f32)
+    C = min(chunk, N)
+    buf_CV, logp_CV = torch.empty(C, V, **f32), torch.empty(C, V, **f32)
+    rows_C = torch.arange(C, device=h_ND.device)
     if grad_scale_N is not None:
         scale_N1 = torch.where(valid_N, grad_scale_N, 0.0)[:, None].to(h_ND.dtype)
         grad_h_ND, grad_w_VD = torch.empty_like(h_ND), torch.zeros(w_VD.shape, **f32)
@@ -235,7 +237,7 @@ def _head_loss_chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, gr
             continue
         # d loss / d logits = softmax - one_hot(target); ignored rows get scale 0 below.
         grad_CV = lp_CV.exp_()
-        grad_CV[torch.arange(len(safe_C), device=safe_C.device), safe_C] -= 1.0
+        grad_CV[rows_C[: len(safe_C)], safe_C] -= 1.0
         grad_CV = grad_CV.to(h_CD.dtype)
         grad_h_ND[part] = (grad_CV @ w_VD) * scale_N1[part]
         hs_CD = h_CD * scale_N1[part]
