@@ -25,7 +25,7 @@ from launch.cli import ArgumentParser
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.data import TokenWindows
-from pipeline.distributed import DistInfo, init_distributed, teardown
+from pipeline.distributed import DistInfo, distributed
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
 from pipeline.parallelize import Precision
 from pipeline.typed_config import number
@@ -109,14 +109,11 @@ def report(result: EvalResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    info = init_distributed(args.device)
-    try:
+    with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
         result, seq_len = evaluate_checkpoint(
             ckpt, args.data, info, split=args.split, max_tokens=args.max_tokens,
             batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype)
-    finally:
-        teardown()
     if not info.is_main:
         return 0
     print(f"checkpoint     {ckpt.path} (step {ckpt.step})")

@@ -23,7 +23,7 @@ from pathlib import Path
 from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
-from pipeline.distributed import init_distributed, teardown
+from pipeline.distributed import DistInfo, distributed
 from pipeline.metrics import get_logger, setup_logging
 from pipeline.plan import meta_model
 from pipeline.plan import report as plan_report
@@ -89,17 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     if (args.nproc or 1) != 1 or args.nnodes != 1:
         raise ConfigError("--nproc/--nnodes plan a --dry-run here; to train on N processes run "
                           "`lmforge train --nproc N` or torchrun")
-    info = init_distributed(cfg.train.device)
-    setup_logging(info.rank, Path(cfg.log.out_dir) if info.is_main else None)
+    with distributed(cfg.train.device) as info:
+        setup_logging(info.rank, Path(cfg.log.out_dir) if info.is_main else None)
+        return fit(cfg, info)
+
+
+def fit(cfg: JobConfig, info: DistInfo) -> int:
+    """Train; the trainer (and the process group its DDP/FSDP model holds) is freed on return."""
+    trainer = Trainer(cfg, info)
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
     try:
-        trainer = Trainer(cfg, info)
-        signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
         return trainer.fit()
-    except TrainingStopped as e:
+    except TrainingStopped as e:  # every rank stops at the same step: the teardown is collective
         log.error("%s", e)
         return 3
     finally:
-        teardown()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cli_main(argv: list[str]) -> int:

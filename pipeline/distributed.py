@@ -9,7 +9,10 @@ LMFORGE_DIST_TIMEOUT_MIN (default 30) bounds how long a collective may wait for 
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,8 +66,24 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def teardown() -> None:
+@contextmanager
+def distributed(requested_device: str = "auto") -> Iterator[DistInfo]:
+    """The process group (none for one process) for the work in the body, left safely after it.
+
+    Normal end: every rank waits for the others, then frees what still holds the group (DDP and
+    FSDP modules, finished work objects) and destroys it while the interpreter is fully alive.
+    Leaving it to interpreter exit lets gloo's threads release tensors while Python shuts down,
+    and a rank that leaves while a peer still works (rank 0 writing samples) was seen to abort
+    (SIGABRT) after a run that had succeeded. An exception skips the teardown: a barrier or
+    destroy while a peer waits in another collective can deadlock (torchtitan #1342), so this
+    rank exits non-zero and torchrun stops the others. The body must not keep the model alive
+    past its end (a signal handler holding the trainer would).
+    """
+    info = init_distributed(requested_device)
+    yield info
     if dist.is_initialized():
+        dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -173,12 +173,20 @@ def dist_worker(out_path: str) -> None:
     """Each rank: the loss and gradients of its half of a batch, under DDP, FSDP2, FSDP2 bf16 and
     compiled DDP / FSDP2 (whole model / per-block units + head loss); rank 0 writes the largest
     differences from the plain single-process path."""
+    from pipeline.distributed import distributed
+
+    with distributed("cpu") as info:
+        out = dist_results(info)
+    if info.is_main:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+
+
+def dist_results(info) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from pipeline.distributed import init_distributed, teardown
     from pipeline.parallelize import Precision, parallelize
 
-    info = init_distributed("cpu")
     cfg = tiny()
     idx_BT, targets_BT = batch(4, 32)
     mine = slice(2 * info.rank, 2 * info.rank + 2)
@@ -212,10 +220,7 @@ def dist_worker(out_path: str) -> None:
             grad_err = max(grad_err, (g - ref_p.grad).abs().max().item())
         out[name] = {"token_err": (loss_BT.detach().double() - exact_BT).abs().max().item(),
                      "grad_err": grad_err}
-    if info.is_main:
-        with open(out_path, "w") as f:
-            json.dump(out, f)
-    teardown()
+    return out
 
 
 @pytest.mark.dist
