@@ -11,8 +11,9 @@ configurations interleaved round after round:
 on a noisy machine only ratios measured in the same run mean anything, and the spread shows
 how much. A training step is the same for all: forward + mean cross-entropy, backward,
 gradient clipping at 1.0, AdamW. lmforge's step is the pipeline's (parallelize: compile of the
-forward, the chunked loss eager); the references are compiled whole (model + loss). `faults` is
-the minor page faults of a step (a fresh big tensor costs one per 4 KiB on CPU). Then: the cold
+forward, with the loss when its logits fit one chunk, as at B; the chunked loss stays eager, as
+at A); the references are compiled whole (model + loss). `faults` is the minor page faults of a
+step (a fresh big tensor costs one per 4 KiB on CPU). Then: the cold
 compile, and memory at shape A (peak RSS at batch 1 and 8, the largest micro-batch lmforge fits
 in HF's peak, searched). bench/profile_step.py shows where a step's time goes.
 

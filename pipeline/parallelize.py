@@ -40,27 +40,38 @@ def resolve_parallel(requested: str, info: DistInfo) -> str:
 
 
 # Cold compile (first step minus a steady step, empty inductor cache) of the forward + loss +
-# backward, measured on a 2-core AVX2 CPU (bench/train_bench.py shapes): 31.6 s at V 4,096,
-# 30.9 s at V 50,304. Compile gained 1.07x (V 4k) and 1.03x (V 50k) there (the matmuls and SDPA,
-# 80-90 % of a step, are the same kernels compiled or not: bench/profile_step.py), i.e. it saves
-# 3-7 % of the eager time: the ~31 s repay after 450-1,000 s of eager training. 20 cold
-# compiles (~10 min) is the V 4k break-even with room for the eval graph's own compile.
+# backward on a 2-core AVX2 CPU (bench/train_bench.py shapes): 30.5 s at V 4,096, 33.8 s at
+# V 50,304. What it gains depends on the loss. Logits of one chunk or less (V 4k, 2,048 tokens:
+# the tiny preset's shape) compile into the model's graph: 1.28x. The chunked loss stays eager
+# (V 50k), and the matmuls, ~80 % of a step there, are the same kernels compiled or not
+# (bench/profile_step.py): 1.02x. Break-even = cold compile / (1 - 1/gain): 140 s and 1,900 s.
 CPU_COLD_COMPILE_S = 31.0
-CPU_COMPILE_PAYBACK = 20.0
+CPU_COMPILE_GAIN_LOSS_IN_GRAPH = 1.28
+CPU_COMPILE_GAIN_CHUNKED_LOSS = 1.02
+# A run must last 3 break-evens: the eval graph compiles too (2x), and the gains were measured
+# on one CPU kind (1.5x). Loss in the graph: ~7 min; chunked: ~80 min.
+CPU_COMPILE_MARGIN = 3.0
+
+
+def cpu_compile_threshold_s(loss_in_graph: bool, cold_compile_s: float = CPU_COLD_COMPILE_S) -> float:
+    """The shortest estimated eager run (seconds) that train.compile = auto compiles on CPU."""
+    gain = CPU_COMPILE_GAIN_LOSS_IN_GRAPH if loss_in_graph else CPU_COMPILE_GAIN_CHUNKED_LOSS
+    return CPU_COMPILE_MARGIN * cold_compile_s / (1 - 1 / gain)
 
 
 def resolve_compile(
     requested: str, device: torch.device, est_eager_run_s: float | None = None,
-    cold_compile_s: float = CPU_COLD_COMPILE_S,
+    loss_in_graph: bool = False,
 ) -> bool:
     """train.compile on|off|auto -> whether to compile. auto: always on CUDA; on CPU only when
-    the run's estimated eager time (seconds; None = unknown) is at least CPU_COMPILE_PAYBACK
-    times the cold compile, i.e. when compile's few-percent gain repays the compile."""
+    the run's estimated eager time (seconds; None = unknown) reaches cpu_compile_threshold_s,
+    i.e. when what compile saves repays its cold compiles. loss_in_graph: the micro-batch's
+    logits fit one chunk (GPT.head_loss), so the loss compiles with the model."""
     if requested != "auto":
         return requested == "on"
     if device.type == "cuda":
         return True
-    return est_eager_run_s is not None and est_eager_run_s >= CPU_COMPILE_PAYBACK * cold_compile_s
+    return est_eager_run_s is not None and est_eager_run_s >= cpu_compile_threshold_s(loss_in_graph)
 
 
 @dataclass(frozen=True)
@@ -160,7 +171,8 @@ def compile_regions(model: GPT, per_block: bool) -> None:
     # The chunked LM-head loss stays eager: it writes every chunk into reused buffers (out=, in
     # place), which inductor turns into fresh tensors and copies; compiled it measured 0.75x of
     # eager with 4x the page faults at V 50k (bench/profile_step.py). Its matmuls dominate anyway.
-    model.head_loss = torch.compiler.disable(model.head_loss)
+    # Logits of one chunk or less take the plain path, which compiles into the model's graph.
+    model.chunked_loss = torch.compiler.disable(model.chunked_loss)
     if not per_block:
         model.compile(dynamic=False)
         return

@@ -115,10 +115,15 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
     return batch * seq_len * (blocks + head)
 
 
-def head_loss_bytes(m: ModelConfig) -> int:
-    """What the chunked LM-head loss holds whatever the batch: two fp32 chunk buffers of
-    loss_chunk_tokens x V (model.model.LOSS_CHUNK_ELEMS each) and the head's fp32 gradient."""
-    return 2 * FP32 * LOSS_CHUNK_ELEMS + FP32 * m.padded_vocab_size * m.d_model
+def head_loss_bytes(m: ModelConfig, tokens: int) -> int:
+    """What the LM-head loss of a micro-batch of `tokens` holds, and the head's fp32 gradient.
+    Logits of one chunk or less (GPT.head_loss) are built whole: at most three fp32 tokens x V
+    tensors at once (log-probabilities, their gradient, the logits' gradient). Larger, the
+    chunked loss holds two fp32 chunk buffers (model.model.LOSS_CHUNK_ELEMS each at most)."""
+    V = m.padded_vocab_size
+    chunk_tokens = max(1, LOSS_CHUNK_ELEMS // V)
+    logits = 3 * FP32 * tokens * V if tokens <= chunk_tokens else 2 * FP32 * chunk_tokens * V
+    return logits + FP32 * V * m.d_model
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -131,7 +136,7 @@ class Strategy:
     accumulated: int  # FSDP2 accumulating without sync keeps unsharded gradients between micro-steps
     activations: int
     activations_ac: int
-    head_loss: int  # chunked loss buffers + the head's gradient, during the loss
+    head_loss: int  # logits (whole or by chunks) + the head's gradient, during the loss
     all_gather: int  # bytes per optimizer step, whole tensors (each GPU sends (W-1)/W of them)
     reduce_scatter: int
     all_reduce: int  # a ring all-reduce sends 2 (W-1)/W of it per GPU
@@ -165,7 +170,7 @@ def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strat
     mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
     acts = activation_bytes(model_cfg, mb, T, bf16, False)
     acts_ac = activation_bytes(model_cfg, mb, T, bf16, True)
-    head = head_loss_bytes(model_cfg)
+    head = head_loss_bytes(model_cfg, mb * T)
     p_bytes = BF16 if bf16 else FP32
     block, outside = _blocks_bytes(model)
     ddp = Strategy("DDP", state_bytes(shapes, world, sharded=False, muon=muon),
@@ -238,7 +243,7 @@ def report(cfg: JobConfig, nproc: int, nnodes: int, gpu_name: str, mfu: float) -
         ("unsharded grads (accumulation)", lambda s: s.accumulated),
         ("activations / micro-batch", lambda s: s.activations),
         ("  with activation checkpointing", lambda s: s.activations_ac),
-        ("chunked LM-head loss buffers", lambda s: s.head_loss),
+        ("LM-head loss (logits, by chunks if big)", lambda s: s.head_loss),
         (f"peak (checkpointing {'on' if with_ac else 'off'})", lambda s: s.peak(with_ac)),
     ]
     lines += [f"{label:<34}{_gib(f(ddp)):>14}{_gib(f(fsdp)):>14}" for label, f in rows]

@@ -134,21 +134,26 @@ CPU_EAGER_MFU = 0.5  # of the measured matmul peak: 51-53 % eager, 2-core AVX2 (
 
 def estimated_eager_run_s(model: GPT, train_cfg: TrainConfig, seq_len: int,
                           precision: Precision, info: DistInfo) -> float | None:
-    """Seconds the run's steps would take eagerly on this device, from their FLOPs: what
-    train.compile = auto weighs against the cold compile on CPU (None when there is no peak)."""
+    """Seconds the run's steps would take eagerly on this device, from their FLOPs and capped
+    by train.time_budget_s: what train.compile = auto weighs against the cold compile on CPU
+    (None when there is no peak)."""
     if info.device.type != "cpu":
         return None
     peak = matmul_peak(info.device, precision.dtype)
     flops = model.flops_per_token(seq_len) * train_cfg.global_batch_tokens * train_cfg.max_steps
-    return flops / (peak * CPU_EAGER_MFU * info.world_size) if peak else None
+    if not peak:
+        return None
+    eager_s = flops / (peak * CPU_EAGER_MFU * info.world_size)
+    return min(eager_s, train_cfg.time_budget_s) if train_cfg.time_budget_s else eager_s
 
 
 def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: Precision,
                    info: DistInfo) -> ParallelModel:
     eager_s = estimated_eager_run_s(model, train_cfg, seq_len, precision, info)
+    loss_in_graph = train_cfg.micro_batch_size * seq_len <= model.loss_chunk_tokens
     return parallelize(
         model, info, parallel=resolve_parallel(train_cfg.parallel, info), precision=precision,
-        compile_model=resolve_compile(train_cfg.compile, info.device, eager_s),
+        compile_model=resolve_compile(train_cfg.compile, info.device, eager_s, loss_in_graph),
         activation_checkpointing=train_cfg.activation_checkpointing,
     )
 

@@ -1,6 +1,7 @@
-"""The chunked LM-head loss (model.model.chunked_cross_entropy): the same loss and gradients as
-cross-entropy on the full logits, without ever building the B×T×V logits or their gradient;
-always reduced in fp32, also when the head matmul is bf16 (FSDP's bf16 parameters).
+"""The LM-head loss: beyond one chunk of tokens, by chunks (model.model.chunked_cross_entropy):
+the same loss and gradients as cross-entropy on the full logits, without ever building the
+B×T×V logits or their gradient; up to one chunk, the logits whole. Always reduced in fp32, also
+when the head matmul is bf16 (FSDP's bf16 parameters).
 
 The 2-rank checks run this file as a torchrun worker (`python -m tests.test_chunked_loss OUT`).
 """
@@ -101,6 +102,27 @@ def test_never_builds_the_full_logits_nor_their_gradient(reduction):
     assert seen_plain.numel >= B * T * V_REAL
 
 
+def test_logits_of_one_chunk_are_built_whole_and_equal_the_chunked_path():
+    """At most one chunk of tokens, the head builds the logits whole (plain ops torch.compile can
+    fuse); one token more and it goes by chunks. Both give the same loss and gradients."""
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    B, T, V = 4, 32, model.cfg.padded_vocab_size
+    idx_BT, targets_BT = batch(B, T)
+    seen, results = {}, {}
+    for chunk in (B * T, B * T - 1):
+        model.loss_chunk_tokens = chunk
+        with LargestTensor() as largest:
+            results[chunk] = loss_and_grads(model, lambda: model(idx_BT, targets_BT))
+        seen[chunk] = largest.numel
+    assert seen[B * T] >= B * T * V_REAL  # whole: the full logits exist
+    assert seen[B * T - 1] <= max((B * T - 1) * V, V * model.cfg.d_model) < B * T * V
+    (whole, whole_grads), (chunked, chunked_grads) = results.values()
+    torch.testing.assert_close(whole, chunked, rtol=1e-6, atol=1e-6)
+    for name, g in whole_grads.items():
+        torch.testing.assert_close(g, chunked_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 class FreshLogitsBuffers(TorchDispatchMode):
     """Counts the tensors of width V an op allocates (not views, not written in place or via out=)."""
 
@@ -151,10 +173,11 @@ def exact_token_losses(model: GPT, idx_BT, targets_BT) -> torch.Tensor:
 BF16_TOKEN_TOL, BF16_MEAN_TOL = 5e-3, 5e-4
 
 
-def test_bf16_autocast_loss_is_fp32_and_close_to_exact():
+@pytest.mark.parametrize("chunk", [16, None])  # chunked; logits of one chunk, built whole
+def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk):
     torch.manual_seed(0)
     model = GPT(tiny())
-    model.loss_chunk_tokens = 16
+    model.loss_chunk_tokens = chunk or model.loss_chunk_tokens
     idx_BT, targets_BT = batch(4, 32)
     exact_BT = exact_token_losses(model, idx_BT, targets_BT)
     with torch.autocast("cpu", dtype=torch.bfloat16):
