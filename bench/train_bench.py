@@ -4,6 +4,7 @@ dominates, and a small one), in the dtype train.dtype=auto picks here.
 
     python bench/train_bench.py               # 2 rounds, both shapes, memory (~25 min, 2 cores)
     python bench/train_bench.py --quick       # shape B only, 1 round, few steps (smoke test)
+    python bench/train_bench.py --shapes B --rounds 4 --no-memory    # one shape, more rounds
 
 Every configuration runs in a fresh process (its peak RSS is its own; its compile warm from
 inductor's on-disk cache after the first time: a cold compile is measured apart, once per shape),
@@ -244,6 +245,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--no-memory", action="store_true", help="skip the micro-batch estimate")
+    p.add_argument("--shapes", default="AB", help="which shapes to time (default: both, AB)")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -256,7 +258,7 @@ def main() -> None:
     from model import GPT, ModelConfig
     from pipeline.hardware import cpu_capability, cpu_model, matmul_peak
 
-    shapes = {"B": SHAPES["B"]} if a.quick else SHAPES
+    shapes = {s: v for s, v in SHAPES.items() if s in ("B" if a.quick else a.shapes.upper())}
     rounds, steps = (1, 3) if a.quick else (a.rounds, a.steps)
     peak = matmul_peak(torch.device("cpu"), torch.float32)
     print(f"CPU: {cpu_model()}, {cpu_capability()}, {torch.get_num_threads()} threads; dtype fp32 "

@@ -68,8 +68,8 @@ class TrainConfig:
     probe: most CPUs without AVX512-BF16/AMX emulate it ~100x slower), else fp32."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the forward + loss; auto = on for CUDA, and on CPU when the run's estimated
-    eager time repays the cold compiles 3 times over (~7 min when the loss compiles with the
-    model, ~80 min when it is chunked): see parallelize.resolve_compile."""
+    eager time repays the cold compiles 3 times over (~19 min when the loss compiles with the
+    model, ~87 min when it is chunked): see parallelize.resolve_compile."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

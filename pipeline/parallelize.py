@@ -40,16 +40,17 @@ def resolve_parallel(requested: str, info: DistInfo) -> str:
 
 
 # Cold compile (first step minus a steady step, empty inductor cache) of the forward + loss +
-# backward on a 2-core AVX2 CPU (bench/train_bench.py shapes): 30.5 s at V 4,096, 33.8 s at
-# V 50,304. What it gains depends on the loss. Logits of one chunk or less (V 4k, 2,048 tokens:
-# the tiny preset's shape) compile into the model's graph: 1.28x. The chunked loss stays eager
-# (V 50k), and the matmuls, ~80 % of a step there, are the same kernels compiled or not
-# (bench/profile_step.py): 1.02x. Break-even = cold compile / (1 - 1/gain): 140 s and 1,900 s.
-CPU_COLD_COMPILE_S = 31.0
-CPU_COMPILE_GAIN_LOSS_IN_GRAPH = 1.28
+# backward on a 2-core AVX2 CPU (bench/train_bench.py shapes): 30.5-37.0 s at V 4,096 (three
+# runs), 33.8 s at V 50,304. What it gains depends on the loss. Logits of one chunk or less (V 4k,
+# 2,048 tokens: the tiny preset's shape) compile into the model's graph: 1.03x and 1.28x over
+# eager in two bench runs, 1.06-1.19x in direct alternations, so 1.10x is used. The chunked loss
+# stays eager (V 50k), and the matmuls, ~80 % of a step there, are the same kernels compiled or
+# not (bench/profile_step.py): 1.02x. Break-even = cold compile / (1 - 1/gain): ~6 and ~29 min.
+CPU_COLD_COMPILE_S = 34.0
+CPU_COMPILE_GAIN_LOSS_IN_GRAPH = 1.10
 CPU_COMPILE_GAIN_CHUNKED_LOSS = 1.02
 # A run must last 3 break-evens: the eval graph compiles too (2x), and the gains were measured
-# on one CPU kind (1.5x). Loss in the graph: ~7 min; chunked: ~80 min.
+# on one CPU kind, on a noisy machine (1.5x). Loss in the graph: ~19 min; chunked: ~87 min.
 CPU_COMPILE_MARGIN = 3.0
 
 
@@ -171,9 +172,10 @@ def compile_regions(model: GPT, per_block: bool) -> None:
     # The chunked LM-head loss stays eager: it writes every chunk into reused buffers (out=, in
     # place), which inductor turns into fresh tensors and copies; compiled it measured 0.75x of
     # eager with 4x the page faults at V 50k (bench/profile_step.py). Its matmuls dominate anyway.
-    # Logits of one chunk or less take the plain path, which compiles into the model's graph.
     model.chunked_loss = torch.compiler.disable(model.chunked_loss)
     if not per_block:
+        # Logits of one chunk or less are built whole, in the model's graph: 1.28x at V 4k.
+        model.loss_whole_tokens = model.loss_chunk_tokens
         model.compile(dynamic=False)
         return
     for block in model.blocks:

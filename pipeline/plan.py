@@ -117,9 +117,9 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
 
 def head_loss_bytes(m: ModelConfig, tokens: int) -> int:
     """What the LM-head loss of a micro-batch of `tokens` holds, and the head's fp32 gradient.
-    Logits of one chunk or less (GPT.head_loss) are built whole: at most three fp32 tokens x V
-    tensors at once (log-probabilities, their gradient, the logits' gradient). Larger, the
-    chunked loss holds two fp32 chunk buffers (model.model.LOSS_CHUNK_ELEMS each at most)."""
+    Logits of one chunk or less may be built whole (GPT.head_loss, when compiled): at most three
+    fp32 tokens x V tensors at once (log-probabilities, their gradient, the logits' gradient).
+    Larger, the chunked loss holds two fp32 chunk buffers (LOSS_CHUNK_ELEMS each at most)."""
     V = m.padded_vocab_size
     chunk_tokens = max(1, LOSS_CHUNK_ELEMS // V)
     logits = 3 * FP32 * tokens * V if tokens <= chunk_tokens else 2 * FP32 * chunk_tokens * V

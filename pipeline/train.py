@@ -47,6 +47,7 @@ from pipeline.parallelize import (
     ParallelModel,
     Precision,
     RecompileWatch,
+    cpu_compile_threshold_s,
     parallelize,
     resolve_compile,
     resolve_parallel,
@@ -150,11 +151,19 @@ def estimated_eager_run_s(model: GPT, train_cfg: TrainConfig, seq_len: int,
 def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: Precision,
                    info: DistInfo) -> ParallelModel:
     eager_s = estimated_eager_run_s(model, train_cfg, seq_len, precision, info)
-    loss_in_graph = train_cfg.micro_batch_size * seq_len <= model.loss_chunk_tokens
+    parallel = resolve_parallel(train_cfg.parallel, info)
+    # FSDP2 compiles block by block, the loss outside them (parallelize.compile_regions).
+    loss_in_graph = parallel != "fsdp" and train_cfg.micro_batch_size * seq_len <= model.loss_chunk_tokens
+    compile_model = resolve_compile(train_cfg.compile, info.device, eager_s, loss_in_graph)
+    if train_cfg.compile == "auto" and info.device.type == "cpu":
+        log.info("train.compile = auto -> %s on CPU: estimated eager run %s, compile pays from %.0f s "
+                 "(loss %s)", "on" if compile_model else "off",
+                 "unknown" if eager_s is None else f"{eager_s:.0f} s",
+                 cpu_compile_threshold_s(loss_in_graph),
+                 "compiled with the model" if loss_in_graph else "chunked, eager")
     return parallelize(
-        model, info, parallel=resolve_parallel(train_cfg.parallel, info), precision=precision,
-        compile_model=resolve_compile(train_cfg.compile, info.device, eager_s, loss_in_graph),
-        activation_checkpointing=train_cfg.activation_checkpointing,
+        model, info, parallel=parallel, precision=precision,
+        compile_model=compile_model, activation_checkpointing=train_cfg.activation_checkpointing,
     )
 
 

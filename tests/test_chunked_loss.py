@@ -103,15 +103,16 @@ def test_never_builds_the_full_logits_nor_their_gradient(reduction):
 
 
 def test_logits_of_one_chunk_are_built_whole_and_equal_the_chunked_path():
-    """At most one chunk of tokens, the head builds the logits whole (plain ops torch.compile can
-    fuse); one token more and it goes by chunks. Both give the same loss and gradients."""
+    """With loss_whole_tokens = loss_chunk_tokens (what a compiled run sets), at most one chunk of
+    tokens builds the logits whole (plain ops torch.compile fuses); one token more goes by
+    chunks. Both give the same loss and gradients."""
     torch.manual_seed(0)
     model = GPT(tiny())
     B, T, V = 4, 32, model.cfg.padded_vocab_size
     idx_BT, targets_BT = batch(B, T)
     seen, results = {}, {}
     for chunk in (B * T, B * T - 1):
-        model.loss_chunk_tokens = chunk
+        model.loss_chunk_tokens = model.loss_whole_tokens = chunk
         with LargestTensor() as largest:
             results[chunk] = loss_and_grads(model, lambda: model(idx_BT, targets_BT))
         seen[chunk] = largest.numel
@@ -178,6 +179,7 @@ def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk):
     torch.manual_seed(0)
     model = GPT(tiny())
     model.loss_chunk_tokens = chunk or model.loss_chunk_tokens
+    model.loss_whole_tokens = 0 if chunk else model.loss_chunk_tokens
     idx_BT, targets_BT = batch(4, 32)
     exact_BT = exact_token_losses(model, idx_BT, targets_BT)
     with torch.autocast("cpu", dtype=torch.bfloat16):

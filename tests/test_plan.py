@@ -99,7 +99,6 @@ def saved_for_backward(model: GPT, batch: int, bf16: bool) -> int:
 def test_activation_estimate_within_25_percent(mlp, bf16):
     cfg = ModelConfig(**{**SMALL.to_dict(), "mlp": mlp})
     model = GPT(cfg)
-    model.loss_chunk_tokens = 16  # chunked: no logits saved, they are head_loss_bytes' part
     measured = saved_for_backward(model, 4, bf16) - saved_for_backward(model, 2, bf16)
     estimate = activation_bytes(cfg, 2, cfg.max_seq_len, bf16, checkpointing=False)
     assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
