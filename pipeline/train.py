@@ -157,10 +157,10 @@ def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: 
     compile_model = resolve_compile(train_cfg.compile, info.device, eager_s, loss_in_graph)
     if train_cfg.compile == "auto" and info.device.type == "cpu":
         log.info("train.compile = auto -> %s on CPU: estimated eager run %s, compile pays from %.0f s "
-                 "(loss %s)", "on" if compile_model else "off",
+                 "(%s)", "on" if compile_model else "off",
                  "unknown" if eager_s is None else f"{eager_s:.0f} s",
                  cpu_compile_threshold_s(loss_in_graph),
-                 "compiled with the model" if loss_in_graph else "chunked, eager")
+                 "the loss in the graph" if loss_in_graph else "the loss chunked, outside the graph")
     return parallelize(
         model, info, parallel=parallel, precision=precision,
         compile_model=compile_model, activation_checkpointing=train_cfg.activation_checkpointing,
