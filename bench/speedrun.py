@@ -48,7 +48,7 @@ def prepare_data(data: Path) -> Path:
 
 
 def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
-    """One run through the pipeline's own Trainer; returns its metrics records."""
+    """One run through the pipeline's own Trainer; its metrics land in OUT/metrics.jsonl."""
     import torch
 
     from pipeline.config import load_config

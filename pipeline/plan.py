@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
-from model.model import LOSS_CHUNK_ELEMS
 from pipeline.config import ConfigError, JobConfig, derive
 from pipeline.hardware import GPU_PEAKS  # the datasheet table, kept in one place
 from pipeline.optim import is_muon_matrix
@@ -115,15 +114,14 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
     return batch * seq_len * (blocks + head)
 
 
-def head_loss_bytes(m: ModelConfig, tokens: int) -> int:
+def head_loss_bytes(model: GPT, tokens: int) -> int:
     """What the LM-head loss of a micro-batch of `tokens` holds, and the head's fp32 gradient.
     Logits of one chunk or less may be built whole (GPT.head_loss, when compiled): at most three
     fp32 tokens x V tensors at once (log-probabilities, their gradient, the logits' gradient).
-    Larger, the chunked loss holds two fp32 chunk buffers (LOSS_CHUNK_ELEMS each at most)."""
-    V = m.padded_vocab_size
-    chunk_tokens = max(1, LOSS_CHUNK_ELEMS // V)
-    logits = 3 * FP32 * tokens * V if tokens <= chunk_tokens else 2 * FP32 * chunk_tokens * V
-    return logits + FP32 * V * m.d_model
+    Larger, the chunked loss holds two fp32 buffers of model.loss_chunk_tokens x V."""
+    V, chunk = model.cfg.padded_vocab_size, model.loss_chunk_tokens
+    logits = 3 * FP32 * tokens * V if tokens <= chunk else 2 * FP32 * chunk * V
+    return logits + FP32 * V * model.cfg.d_model
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -170,7 +168,7 @@ def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strat
     mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
     acts = activation_bytes(model_cfg, mb, T, bf16, False)
     acts_ac = activation_bytes(model_cfg, mb, T, bf16, True)
-    head = head_loss_bytes(model_cfg, mb * T)
+    head = head_loss_bytes(model, mb * T)
     p_bytes = BF16 if bf16 else FP32
     block, outside = _blocks_bytes(model)
     ddp = Strategy("DDP", state_bytes(shapes, world, sharded=False, muon=muon),

@@ -48,6 +48,7 @@ from pipeline.parallelize import (
     Precision,
     RecompileWatch,
     cpu_compile_threshold_s,
+    loss_joins_graph,
     parallelize,
     resolve_compile,
     resolve_parallel,
@@ -152,8 +153,7 @@ def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: 
                    info: DistInfo) -> ParallelModel:
     eager_s = estimated_eager_run_s(model, train_cfg, seq_len, precision, info)
     parallel = resolve_parallel(train_cfg.parallel, info)
-    # FSDP2 compiles block by block, the loss outside them (parallelize.compile_regions).
-    loss_in_graph = parallel != "fsdp" and train_cfg.micro_batch_size * seq_len <= model.loss_chunk_tokens
+    loss_in_graph = loss_joins_graph(model, parallel, train_cfg.micro_batch_size * seq_len)
     compile_model = resolve_compile(train_cfg.compile, info.device, eager_s, loss_in_graph)
     if train_cfg.compile == "auto" and info.device.type == "cpu":
         log.info("train.compile = auto -> %s on CPU: estimated eager run %s, compile pays from %.0f s "
