@@ -1,22 +1,26 @@
 """Training throughput and memory: lmforge (eager, compiled) vs a GPT-2-style reference and
 transformers' LlamaForCausalLM, at two shapes (a GPT-2-size vocabulary, where the head
-dominates, and a small one), in the dtype train.dtype=auto picks here.
+dominates, and a small one), in the dtype train.dtype=auto picks on the device.
 
     python bench/train_bench.py               # 2 rounds, both shapes, memory (~25 min, 2 cores)
-    python bench/train_bench.py --quick       # shape B only, 1 round, few steps (smoke test)
+    python bench/train_bench.py --quick       # shape B only, 1 round, few steps
     python bench/train_bench.py --shapes B --rounds 4 --no-memory    # one shape, more rounds
+    python bench/train_bench.py --device cuda --shapes A --rounds 1 --no-memory   # gpu_check.sh
+    python bench/train_bench.py --smoke       # tiny shapes, eager only: the code path (a test)
 
-Every configuration runs in a fresh process (its peak RSS is its own; its compile warm from
+Every configuration runs in a fresh process (its peak memory is its own; its compile warm from
 inductor's on-disk cache after the first time: a cold compile is measured apart, once per shape),
 configurations interleaved round after round:
 on a noisy machine only ratios measured in the same run mean anything, and the spread shows
-how much. A training step is the same for all: forward + mean cross-entropy, backward,
-gradient clipping at 1.0, AdamW. lmforge's step is the pipeline's (parallelize: compile of the
-forward, with the loss when its logits fit one chunk, as at B; the chunked loss stays eager, as
-at A); the references are compiled whole (model + loss). `faults` is the minor page faults of a
-step (a fresh big tensor costs one per 4 KiB on CPU). Then: the cold
-compile, and memory at shape A (peak RSS at batch 1 and 8, the largest micro-batch lmforge fits
-in HF's peak, searched). bench/profile_step.py shows where a step's time goes.
+how much. A training step is the same for all: forward + mean cross-entropy (under bf16 autocast
+when the dtype is bf16), backward, gradient clipping at 1.0, AdamW. lmforge's step is the
+pipeline's (parallelize: compile of the forward, with the loss when its logits fit one chunk, as
+at B; the chunked loss stays eager, as at A); the references are compiled whole (model + loss).
+Peak memory is the process's peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA. `faults`
+is the minor page faults of a step (a fresh big tensor costs one per 4 KiB on CPU). Then: the cold
+compile (CPU: what train.compile=auto weighs), and memory at shape A (peak at batch 1 and 8, the
+largest micro-batch lmforge fits in HF's peak, searched). bench/profile_step.py shows where a
+step's time goes.
 
 Same FLOPs everywhere: lmforge's SwiGLU MLP with d_mlp 688 (3 matrices) = GPT-2's 4d GELU MLP
 (2 matrices of 1024); the head is D x 50,304 (shape A, GPT-2 vocabulary padded) or 4,096 (B).
@@ -33,41 +37,65 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-D, L, H, T, BATCH, D_MLP = 256, 4, 4, 256, 8, 688
+
+@dataclass(frozen=True)
+class Run:
+    """What one worker process builds and measures."""
+
+    impl: str  # lmforge | gpt2 | hf
+    vocab: int
+    compiled: bool
+    device: str
+    dtype: str  # bf16 | fp32: what every implementation computes in
+    steps: int = 6
+    batch: int = 8
+    d_model: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    seq_len: int = 256
+    d_mlp: int = 688
+
+
+FULL = dict(d_model=256, n_layer=4, n_head=4, seq_len=256, d_mlp=688)
+SMOKE = dict(d_model=64, n_layer=2, n_head=4, seq_len=64, d_mlp=172)
 SHAPES = {"A": 50257, "B": 4096}  # real vocabulary; the heads pad it to a multiple of 64
+SMOKE_SHAPES = {"A": 2048, "B": 256}
 IMPLS = [("lmforge", False), ("lmforge", True), ("gpt2", True), ("hf", False), ("hf", True)]
+SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 
 
-def build_lmforge(vocab: int, compile_model: bool):
-    import torch
+def build_lmforge(r: Run, device):
 
     from model import GPT, ModelConfig
     from pipeline.config import OptimConfig
     from pipeline.distributed import DistInfo
+    from pipeline.hardware import DTYPES
     from pipeline.optim import build_optimizer
     from pipeline.parallelize import Precision, parallelize
 
-    info = DistInfo(0, 0, 1, torch.device("cpu"))
-    model = GPT(ModelConfig(vocab_size=vocab, n_layer=L, n_head=H, n_kv_head=H, d_model=D,
-                            d_mlp=D_MLP, max_seq_len=T))
-    precision = Precision(torch.float32, info.device)
+    info = DistInfo(0, 0, 1, device)
+    model = GPT(ModelConfig(vocab_size=r.vocab, n_layer=r.n_layer, n_head=r.n_head,
+                            n_kv_head=r.n_head, d_model=r.d_model, d_mlp=r.d_mlp,
+                            max_seq_len=r.seq_len)).to(device)
+    precision = Precision(DTYPES[r.dtype], device)
     trained = parallelize(model, info, parallel="none", precision=precision,
-                          compile_model=compile_model, activation_checkpointing=False).module
-    return model, trained, build_optimizer(trained, OptimConfig(), info.device)
+                          compile_model=r.compiled, activation_checkpointing=False).module
+    return model, trained, build_optimizer(trained, OptimConfig(), device)
 
 
-def build_gpt2(vocab: int, compile_model: bool):
+def build_gpt2(r: Run, device):
     """nanoGPT-style GPT-2: LayerNorm, GELU MLP 4d, learned positions, SDPA, tied head."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    V = -(-vocab // 64) * 64
+    V, D, H = -(-r.vocab // 64) * 64, r.d_model, r.n_head
 
     class Block(nn.Module):
         def __init__(self):
@@ -77,69 +105,81 @@ def build_gpt2(vocab: int, compile_model: bool):
             self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
         def forward(self, x_BTD):
-            B, T_, _ = x_BTD.shape
-            q, k, v = self.qkv(self.ln1(x_BTD)).view(B, T_, 3, H, D // H).permute(2, 0, 3, 1, 4)
+            B, T, _ = x_BTD.shape
+            q, k, v = self.qkv(self.ln1(x_BTD)).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x_BTD = x_BTD + self.proj(y.transpose(1, 2).reshape(B, T_, D))
+            x_BTD = x_BTD + self.proj(y.transpose(1, 2).reshape(B, T, D))
             return x_BTD + self.out(F.gelu(self.fc(self.ln2(x_BTD))))
 
     class GPT2(nn.Module):
         def __init__(self):
             super().__init__()
-            self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
-            self.blocks = nn.ModuleList(Block() for _ in range(L))
+            self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(r.seq_len, D)
+            self.blocks = nn.ModuleList(Block() for _ in range(r.n_layer))
             self.ln_f = nn.LayerNorm(D)
             self.head = nn.Linear(D, V, bias=False)
             self.head.weight = self.wte.weight
 
         def forward(self, idx_BT, targets_BT):
-            x_BTD = self.wte(idx_BT) + self.wpe(torch.arange(idx_BT.shape[1]))
+            x_BTD = self.wte(idx_BT) + self.wpe(torch.arange(idx_BT.shape[1], device=idx_BT.device))
             for block in self.blocks:
                 x_BTD = block(x_BTD)
             logits_BTV = self.head(self.ln_f(x_BTD))
             return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
 
-    model = GPT2()
-    step = torch.compile(model) if compile_model else model
+    model = GPT2().to(device)
+    step = torch.compile(model) if r.compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     return model, step, opt
 
 
-def build_hf(vocab: int, compile_model: bool):
+def build_hf(r: Run, device):
     import torch
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=D, intermediate_size=D_MLP, num_hidden_layers=L,
-        num_attention_heads=H, num_key_value_heads=H, max_position_embeddings=T,
-        tie_word_embeddings=True, attn_implementation="sdpa",
-    ))
+        vocab_size=r.vocab, hidden_size=r.d_model, intermediate_size=r.d_mlp,
+        num_hidden_layers=r.n_layer, num_attention_heads=r.n_head, num_key_value_heads=r.n_head,
+        max_position_embeddings=r.seq_len, tie_word_embeddings=True, attn_implementation="sdpa",
+    )).to(device)
 
     def loss_fn(x_BT, y_BT):
         logits_BTV = hf(input_ids=x_BT).logits
         return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
 
-    step = torch.compile(loss_fn) if compile_model else loss_fn
+    step = torch.compile(loss_fn) if r.compiled else loss_fn
     opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     return hf, step, opt
 
 
-def training_step(impl: str, vocab: int, compile_model: bool, batch: int):
+def training_step(r: Run):
     """The step every configuration runs, as a function of no arguments on a fixed random batch:
-    forward + mean cross-entropy, backward, gradient clipping at 1.0, AdamW."""
+    forward + mean cross-entropy (in pipeline.parallelize.Precision's autocast: bf16 autocast
+    over fp32 weights when r.dtype is bf16), backward, gradient clipping at 1.0, AdamW."""
     import torch
 
+    from pipeline.hardware import DTYPES, configure_cuda
+    from pipeline.parallelize import Precision
+
+    device = torch.device(r.device)
+    if device.type == "cuda":
+        configure_cuda()  # what the pipeline sets (TF32 for fp32 matmuls), for every implementation
     torch.manual_seed(0)
-    build = {"lmforge": build_lmforge, "gpt2": build_gpt2, "hf": build_hf}[impl]
-    model, step, opt = build(vocab, compile_model)
-    x_BT, y_BT = torch.randint(0, vocab, (2, batch, T))
+    build = {"lmforge": build_lmforge, "gpt2": build_gpt2, "hf": build_hf}[r.impl]
+    model, step, opt = build(r, device)
+    x_BT, y_BT = torch.randint(0, r.vocab, (2, r.batch, r.seq_len), device=device)
+    autocast = Precision(DTYPES[r.dtype], device).autocast(model)
 
     def one_step() -> None:
-        step(x_BT, y_BT).backward()
+        with autocast:
+            loss = step(x_BT, y_BT)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return one_step
 
@@ -148,31 +188,37 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def worker(impl: str, vocab: int, compile_model: bool, steps: int, batch: int) -> dict:
-    one_step = training_step(impl, vocab, compile_model, batch)
-    base_mb = rss_mb()
+def memory_mb(device: str, peak: bool) -> float:
+    """The process's memory now or at its peak: RSS on CPU (Linux), allocated tensors on CUDA."""
+    import torch
+
+    if device.startswith("cuda"):
+        fn = torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated
+        return fn(device) / 2**20
+    # Not ru_maxrss: Linux carries it across exec, so a worker would report its parent's peak.
+    key = "VmHWM:" if peak else "VmRSS:"
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+
+def worker(r: Run) -> dict:
+    one_step = training_step(r)
+    base_mb = memory_mb(r.device, peak=False)
     times, faults = [], []
-    for _ in range(steps + 2):  # 2 warm-up steps: the compile, then the first compiled step
+    for _ in range(r.steps + 2):  # 2 warm-up steps: the compile, then the first compiled step
         f0, t0 = minor_faults(), time.perf_counter()
         one_step()
         times.append(time.perf_counter() - t0)
         faults.append(minor_faults() - f0)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"tok_s": batch * T / statistics.median(times[2:]), "first_step_s": times[0],
-            "steady_s": statistics.median(times[2:]), "peak_rss_mb": peak_mb,
-            "base_rss_mb": base_mb, "train_mb": peak_mb - base_mb,
+    peak_mb = memory_mb(r.device, peak=True)
+    return {"tok_s": r.batch * r.seq_len / statistics.median(times[2:]), "first_step_s": times[0],
+            "steady_s": statistics.median(times[2:]), "peak_mb": peak_mb,
+            "base_mb": base_mb, "train_mb": peak_mb - base_mb,
             "faults_per_step": statistics.median(faults[2:])}
 
 
-def rss_mb() -> float:
-    """Resident set now (/proc/self/statm; Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
-def measure(impl, vocab, compile_model, steps, batch=BATCH, env=None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", impl, str(vocab), str(int(compile_model)),
-           str(steps), str(batch)]
+def measure(r: Run, env=None) -> dict:
+    cmd = [sys.executable, __file__, "--worker", json.dumps(asdict(r))]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -183,54 +229,63 @@ def name(impl, comp):
 
 # glibc keeps some freed blocks for reuse, so a process's peak RSS also depends on what the
 # allocator held on to. A fixed mmap threshold hands every block >= 1 MiB back to the OS on free:
-# RSS then follows the live tensors, for every implementation alike.
+# RSS then follows the live tensors, for every implementation alike. (No effect on CUDA memory.)
 LIVE_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+MAX_SEARCH_RUNS = 8  # the largest-micro-batch search converges in 2-4 runs at the real shapes
 
 
-def memory_section(vocab: int) -> None:
-    """Peak RSS at batch 1 and BATCH per configuration (fresh process, 2 steps, LIVE_RSS_ENV).
-    The budget is HF's lowest peak at BATCH; lmforge's largest micro-batch within it is
-    estimated from its per-sequence slope, then run, and stepped down until it fits."""
+def memory_section(base: Run, impls: list[tuple[str, bool]], what: str) -> None:
+    """Peak memory at batch 1 and base.batch per configuration (fresh process, 2 steps,
+    LIVE_RSS_ENV). The budget is HF's lowest peak at base.batch; lmforge's largest micro-batch
+    within it is estimated from its per-sequence slope, then run, and stepped down until it fits."""
     env = {**os.environ, **LIVE_RSS_ENV}
-    configs = [("lmforge", False), ("lmforge", True), ("hf", False), ("hf", True)]
-    print(f"\nmemory at shape A (peak RSS of a fresh process, 2 steps, {LIVE_RSS_ENV}):")
+    B0 = base.batch
+    configs = [c for c in impls if c[0] in ("lmforge", "hf")]
+    print(f"\nmemory at shape A ({what} of a fresh process, 2 steps, {LIVE_RSS_ENV}):")
     fit = {}
+
+    def peak(impl, comp, batch):
+        return measure(replace(base, impl=impl, compiled=comp, steps=2, batch=batch), env)
+
     for impl, comp in configs:
-        small, big = (measure(impl, vocab, comp, 2, b, env) for b in (1, BATCH))
-        slope = (big["peak_rss_mb"] - small["peak_rss_mb"]) / (BATCH - 1)
-        fit[impl, comp] = (small["peak_rss_mb"] - slope, slope, big)
-        print(f"  {name(impl, comp):18} peak {small['peak_rss_mb']:6.0f} MB at batch 1, "
-              f"{big['peak_rss_mb']:6.0f} MB at batch {BATCH} ({big['train_mb']:5.0f} MB above the "
-              f"built model), {slope:4.0f} MB per sequence of {T}, {big['tok_s']:5.0f} tok/s")
-    budget = min(fit["hf", c][2]["peak_rss_mb"] for c in (False, True))
-    print(f"  budget: HF's lowest peak at batch {BATCH}, {budget:.0f} MB")
-    for comp in (False, True):
-        base, slope, at_batch = fit["lmforge", comp]
-        print(f"  lmforge {name('', comp).strip()}: peak at batch {BATCH} = "
-              f"{at_batch['peak_rss_mb'] / budget:.2f}x HF's")
-        batch, tried = int((budget - base) / slope), {}
-        while batch > BATCH and batch not in tried:
-            tried[batch] = peak = measure("lmforge", vocab, comp, 2, batch, env)["peak_rss_mb"]
-            print(f"    batch {batch}: peak {peak:.0f} MB ({'fits' if peak <= budget else 'over'})")
-            if peak <= budget and batch + 1 in tried:
+        small, big = peak(impl, comp, 1), peak(impl, comp, B0)
+        slope = (big["peak_mb"] - small["peak_mb"]) / (B0 - 1)
+        fit[impl, comp] = (small["peak_mb"] - slope, slope, big)
+        print(f"  {name(impl, comp):18} peak {small['peak_mb']:6.0f} MB at batch 1, "
+              f"{big['peak_mb']:6.0f} MB at batch {B0} ({big['train_mb']:5.0f} MB above the "
+              f"built model), {slope:4.0f} MB per sequence of {base.seq_len}, {big['tok_s']:5.0f} tok/s")
+    budget = min(v[2]["peak_mb"] for k, v in fit.items() if k[0] == "hf")
+    print(f"  budget: HF's lowest peak at batch {B0}, {budget:.0f} MB")
+    for (impl, comp), (start, slope, at_batch) in fit.items():
+        if impl != "lmforge":
+            continue
+        print(f"  lmforge {name('', comp).strip()}: peak at batch {B0} = "
+              f"{at_batch['peak_mb'] / budget:.2f}x HF's")
+        batch, tried = int((budget - start) / slope) if slope > 0 else 4 * B0, {}
+        while batch > B0 and batch not in tried and len(tried) < MAX_SEARCH_RUNS:
+            tried[batch] = p = peak("lmforge", comp, batch)["peak_mb"]
+            print(f"    batch {batch}: peak {p:.0f} MB ({'fits' if p <= budget else 'over'})")
+            if p <= budget and batch + 1 in tried:
                 break
-            # Secant through batch BATCH and this one (the small-batch slope can mislead), then
+            # Secant through batch B0 and this one (the small-batch slope can mislead), then
             # one step at a time around the crossing.
-            slope = (peak - at_batch["peak_rss_mb"]) / (batch - BATCH)
-            guess = BATCH + int((budget - at_batch["peak_rss_mb"]) / slope)
-            batch = guess if guess not in tried else batch + 1 if peak <= budget else batch - 1
-        batch = max((b for b, p in tried.items() if p <= budget), default=BATCH)
-        print(f"    largest micro-batch in HF's budget: {batch} = {batch / BATCH:.2f}x HF's {BATCH}")
+            slope = (p - at_batch["peak_mb"]) / (batch - B0)
+            guess = B0 + int((budget - at_batch["peak_mb"]) / slope) if slope > 0 else batch + 1
+            batch = guess if guess not in tried else batch + 1 if p <= budget else batch - 1
+        batch = max((b for b, p in tried.items() if p <= budget), default=B0)
+        cut = f" (search stopped after {MAX_SEARCH_RUNS} runs)" if len(tried) == MAX_SEARCH_RUNS else ""
+        print(f"    largest micro-batch in HF's budget: {batch} = {batch / B0:.2f}x HF's {B0}{cut}")
 
 
-def cold_compile(shapes: dict[str, int], res: dict) -> None:
+def cold_compile(shapes: dict[str, int], base: Run, res: dict) -> None:
     """lmforge's first compiled step with an empty inductor cache, less a steady step: the cost
     train.compile = auto weighs on CPU (pipeline.parallelize.CPU_COLD_COMPILE_S), and what the
     measured gain repays it in."""
     print("\ncold compile of lmforge (empty inductor cache; first step - steady step):")
     for s, vocab in shapes.items():
         with tempfile.TemporaryDirectory() as cache:
-            r = measure("lmforge", vocab, True, 2, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+            r = measure(replace(base, impl="lmforge", vocab=vocab, compiled=True, steps=2),
+                        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
         gain = (statistics.median(x["tok_s"] for x in res[s, "lmforge", True])
                 / statistics.median(x["tok_s"] for x in res[s, "lmforge", False]))
         cold = r["first_step_s"] - r["steady_s"]
@@ -239,59 +294,113 @@ def cold_compile(shapes: dict[str, int], res: dict) -> None:
         print(f"  {s}: {cold:.1f} s; compiled/eager {gain:.2f}x -> {repaid}")
 
 
+def describe(device, dtype_arg: str):
+    """(the dtype every implementation computes in, one line saying on what and why)."""
+    import torch
+
+    from pipeline.hardware import (
+        DTYPES,
+        auto_dtype,
+        cpu_capability,
+        cpu_model,
+        dtype_name,
+        matmul_peak,
+    )
+
+    dtype, why = auto_dtype(device) if dtype_arg == "auto" else (DTYPES[dtype_arg], "as requested")
+    peak = matmul_peak(device, dtype)
+    where = (f"GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else
+             f"CPU: {cpu_model()}, {cpu_capability()}, {torch.get_num_threads()} threads")
+    peak_s = f"{peak / 1e9:,.0f} GFLOP/s" if peak else "unknown"
+    return dtype, peak, (f"{where}; dtype {dtype_name(dtype)} ({dtype_arg}: {why}); "
+                         f"{dtype_name(dtype)} matmul peak {peak_s}")
+
+
+def summary(s: str, med: dict, peak_mb: dict, best: tuple[str, bool]) -> str:
+    """The issue's three ratios for one shape: lmforge's best setting against each peer's best."""
+    lm = med[best]
+    refs = {impl: max((k for k in med if k[0] == impl), key=med.get) for impl in ("gpt2", "hf")}
+    hf_mem = min(v for k, v in peak_mb.items() if k[0] == "hf")
+    return (f"{s}: {name(*best)} {lm:,.0f} tok/s = {lm / med[refs['gpt2']]:.2f}x {name(*refs['gpt2'])}, "
+            f"{lm / med[refs['hf']]:.2f}x {name(*refs['hf'])}; peak memory {peak_mb[best] / hf_mem:.2f}x "
+            f"HF's lowest")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, eager configurations only")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--no-memory", action="store_true", help="skip the micro-batch estimate")
     p.add_argument("--shapes", default="AB", help="which shapes to time (default: both, AB)")
-    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        impl, vocab, comp, steps, batch = a.worker
-        print(json.dumps(worker(impl, int(vocab), comp == "1", int(steps), int(batch))))
+        print(json.dumps(worker(Run(**json.loads(a.worker)))))
         return
 
     import torch
 
     from model import GPT, ModelConfig
-    from pipeline.hardware import cpu_capability, cpu_model, matmul_peak
+    from pipeline.hardware import dtype_name, matmul_peak
 
-    shapes = {s: v for s, v in SHAPES.items() if s in ("B" if a.quick else a.shapes.upper())}
-    rounds, steps = (1, 3) if a.quick else (a.rounds, a.steps)
-    peak = matmul_peak(torch.device("cpu"), torch.float32)
-    print(f"CPU: {cpu_model()}, {cpu_capability()}, {torch.get_num_threads()} threads; dtype fp32 "
-          f"(auto's pick without native bf16); measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
-    print(f"d_model {D}, {L} layers, {H} heads, T {T}, batch {BATCH}; {rounds} interleaved rounds "
-          f"x {steps} steps after 2 warm-up steps (median step per run)\n")
-    res = {(s, impl, comp): [] for s in shapes for impl, comp in IMPLS}
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype, peak, line = describe(device, a.dtype)
+    dims = SMOKE if a.smoke else FULL
+    shapes = SMOKE_SHAPES if a.smoke else SHAPES
+    shapes = {s: v for s, v in shapes.items() if s in ("B" if a.quick else a.shapes.upper())}
+    impls = SMOKE_IMPLS if a.smoke else IMPLS
+    rounds, steps = (1, 2) if a.smoke else (1, 3) if a.quick else (a.rounds, a.steps)
+    base = Run("lmforge", 0, False, str(device), dtype_name(dtype), steps, **dims)
+    best = ("lmforge", True) if ("lmforge", True) in impls else ("lmforge", False)
+    what = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS"
+    print(line)
+    print(f"d_model {base.d_model}, {base.n_layer} layers, {base.n_head} heads, T {base.seq_len}, "
+          f"batch {base.batch}; {rounds} interleaved rounds x {steps} steps after 2 warm-up steps "
+          f"(median step per run); memory: {what}\n")
+    res = {(s, impl, comp): [] for s in shapes for impl, comp in impls}
     for _ in range(rounds):
         for s, vocab in shapes.items():
-            for impl, comp in IMPLS:
-                r = measure(impl, vocab, comp, steps)
+            for impl, comp in impls:
+                r = measure(replace(base, impl=impl, vocab=vocab, compiled=comp))
                 res[s, impl, comp].append(r)
-                print(f"  [{s} {name(impl, comp)}: {r['tok_s']:.0f} tok/s, {r['peak_rss_mb']:.0f} MB]",
+                print(f"  [{s} {name(impl, comp)}: {r['tok_s']:.0f} tok/s, {r['peak_mb']:.0f} MB]",
                       file=sys.stderr, flush=True)  # partial results survive an interrupted run
+    if device.type == "cpu":
+        # A shared CPU can be slow for the second or so the probe takes: the best of two probes,
+        # before and after the rounds, is the peak MFU is read against.
+        again = matmul_peak(device, dtype, fresh=True)
+        print(f"{dtype_name(dtype)} matmul peak measured again after the rounds: {again / 1e9:,.0f} GFLOP/s; "
+              f"MFU below is against {max(peak, again) / 1e9:,.0f}")
+        peak = max(peak, again)
     print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'median':>7} {'MFU':>6} "
-          f"{'RSS MB':>7} {'faults':>7} {'1st step':>8}  lmforge compiled / this")
+          f"{'peak MB':>7} {'faults':>7} {'1st step':>8}  {name(*best)} / this")
+    lines = []
     for s, vocab in shapes.items():
-        cfg = ModelConfig(vocab_size=vocab, n_layer=L, n_head=H, d_model=D, d_mlp=D_MLP, max_seq_len=T)
+        cfg = ModelConfig(vocab_size=vocab, n_layer=base.n_layer, n_head=base.n_head,
+                          d_model=base.d_model, d_mlp=base.d_mlp, max_seq_len=base.seq_len)
         with torch.device("meta"):
-            fpt = GPT(cfg).flops_per_token(T)
+            fpt = GPT(cfg).flops_per_token(base.seq_len)
         med = {k[1:]: statistics.median(r["tok_s"] for r in v) for k, v in res.items() if k[0] == s}
-        for impl, comp in IMPLS:
+        mem = {k[1:]: max(r["peak_mb"] for r in v) for k, v in res.items() if k[0] == s}
+        for impl, comp in impls:
             runs = res[s, impl, comp]
             per_round = " / ".join(f"{r['tok_s']:.0f}" for r in runs)
-            ratio = med["lmforge", True] / med[impl, comp]
-            print(f"{s:5} {name(impl, comp):18} {per_round:>22} {med[impl, comp]:7.0f} "
-                  f"{fpt * med[impl, comp] / peak:6.1%} {max(r['peak_rss_mb'] for r in runs):7.0f} "
+            mfu = f"{fpt * med[impl, comp] / peak:6.1%}" if peak else f"{'n/a':>6}"
+            print(f"{s:5} {name(impl, comp):18} {per_round:>22} {med[impl, comp]:7.0f} {mfu} "
+                  f"{mem[impl, comp]:7.0f} "
                   f"{statistics.median(r['faults_per_step'] for r in runs):7.0f} "
-                  f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s  {ratio:.2f}x")
-    if not a.quick:
-        cold_compile(shapes, res)
-    if not (a.quick or a.no_memory):
-        memory_section(SHAPES["A"])
+                  f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s  "
+                  f"{med[best] / med[impl, comp]:.2f}x")
+        lines.append(summary(s, med, mem, best))
+    print("\n" + "\n".join(lines))
+    if best[1] and device.type == "cpu" and not a.quick:
+        cold_compile(shapes, base, res)
+    if "A" in shapes and not (a.quick or a.no_memory):
+        memory_section(replace(base, vocab=shapes["A"]), impls, what)
 
 
 if __name__ == "__main__":

@@ -267,10 +267,12 @@ def _peak(device_type: str, index: int | None, dtype: torch.dtype,
     return None, f"no peak FLOP/s known for {device_type}; MFU is not reported"
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+def matmul_peak(device: torch.device, dtype: torch.dtype, fresh: bool = False) -> float | None:
     """Peak matmul FLOP/s of `device` in `dtype`, the dtype the run really computes in (None if
-    unknown). Cached per process; MFU = achieved model FLOP/s / this."""
+    unknown). Cached per process (`fresh` measures again); MFU = achieved model FLOP/s / this."""
     device = torch.device(device)
+    if fresh:
+        _peak.cache_clear()
     return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[0]
 
 

@@ -129,6 +129,19 @@ def test_cpu_peak_is_plausible_and_cached():
     assert "measured fp32 matmul peak" in hardware.peak_note(CPU, torch.float32)
 
 
+def test_cpu_peak_fresh_measures_again(monkeypatch):
+    rates = iter([10e9, 20e9] * len(hardware._CPU_SIZES))
+    monkeypatch.setattr(hardware, "_matmul_rate", lambda n, dtype, **kw: next(rates))
+    monkeypatch.setattr(hardware, "_CPU_SIZES", (256,))
+    hardware._peak.cache_clear()
+    try:
+        assert hardware.matmul_peak(CPU, torch.float32) == 10e9
+        assert hardware.matmul_peak(CPU, torch.float32) == 10e9
+        assert hardware.matmul_peak(CPU, torch.float32, fresh=True) == 20e9
+    finally:
+        hardware._peak.cache_clear()
+
+
 @pytest.mark.parametrize("name,dtype,expected", [
     ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
     ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),

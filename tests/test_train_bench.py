@@ -1,0 +1,72 @@
+"""bench/train_bench.py cannot rot or compare unlike things: its --smoke mode runs the whole bench
+(table, ratios, memory search) on tiny shapes, and every implementation it times computes in the
+dtype the bench says (bf16 autocast when auto picks bf16, as on a native-bf16 CPU or a GPU)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .launch_utils import ROOT, run
+
+BENCH = ROOT / "bench" / "train_bench.py"
+
+
+@functools.cache
+def load_bench():
+    spec = importlib.util.spec_from_file_location("train_bench", BENCH)
+    module = sys.modules["train_bench"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The input dtypes of every matrix multiply dispatched while active."""
+
+    OPS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.mm.out",
+           "aten.addmm_.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.OPS:
+            self.seen.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("impl", ["lmforge", "gpt2", "hf"])
+def test_every_implementation_computes_in_the_bench_dtype(impl, dtype):
+    tb = load_bench()
+    step = tb.training_step(tb.Run(impl, 256, False, "cpu", dtype, steps=1, batch=2, **tb.SMOKE))
+    with MatmulDtypes() as spy:
+        step()
+    want = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    assert want in spy.seen, (impl, dtype, spy.seen)
+    if dtype == "fp32":
+        assert spy.seen == {torch.float32}, spy.seen
+
+
+@pytest.mark.slow
+def test_train_bench_smoke(monkeypatch):
+    # fp32 forced: on a CPU with native bf16 `auto` would pick bf16 (the bench says which).
+    monkeypatch.setenv("LMFORGE_CPU_BF16", "emulated")
+    res = run([sys.executable, str(BENCH), "--smoke", "--shapes", "A", "--device", "cpu"],
+              timeout=400, retries=0)
+    assert res.returncode == 0, res.stdout[-4000:]
+    out = res.stdout
+    assert "dtype fp32 (auto: this CPU has no native bf16" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("A ")]
+    assert [r[1:3] for r in rows] == [["lmforge", "eager"], ["gpt2", "eager"], ["hf", "eager"]]
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[6]) > 0, r  # tok/s, peak MB
+    assert "A: lmforge eager" in out and "x hf eager; peak memory" in out
+    assert "peak RSS of a fresh process" in out
+    assert "largest micro-batch in HF's budget:" in out
