@@ -20,7 +20,8 @@ import train_bench as tb  # noqa: E402
 
 # First matching substring of the op name wins.
 CATEGORIES = [
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+                "mkldnn::_linear_pointwise")),
     ("attention", ("scaled_dot_product", "flash_attention")),
     ("softmax / cross-entropy", ("softmax", "logsumexp", "nll_loss", "cross_entropy", "aten::exp",
                                  "aten::gather", "aten::scatter")),
@@ -52,10 +53,15 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     a = p.parse_args()
 
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from pipeline.hardware import auto_dtype, dtype_name
+
     vocab = tb.SHAPES[a.shape]
-    one_step = tb.training_step(a.impl, vocab, a.compile, tb.BATCH)
+    device = torch.device("cpu")
+    run = tb.Run(a.impl, vocab, a.compile, str(device), dtype_name(auto_dtype(device)[0]), **tb.FULL)
+    one_step = tb.training_step(run)
     for _ in range(2):
         one_step()
     faults0, t0 = tb.minor_faults(), time.perf_counter()
@@ -72,8 +78,8 @@ def main() -> None:
     by_cat = defaultdict(float)
     for e in events:
         by_cat[category(e.key)] += e.self_cpu_time_total / a.steps
-    print(f"{a.impl} {'compiled' if a.compile else 'eager'} shape {a.shape} (V {vocab}): "
-          f"{wall * 1e3:.0f} ms/step unprofiled, {tb.BATCH * tb.T / wall:.0f} tok/s, "
+    print(f"{a.impl} {'compiled' if a.compile else 'eager'} shape {a.shape} (V {vocab}, "
+          f"{run.dtype}): {wall * 1e3:.0f} ms/step unprofiled, {run.batch * run.seq_len / wall:.0f} tok/s, "
           f"{faults:.0f} minor page faults/step ({faults * 4 / 1024:.0f} MiB faulted in)")
     print(f"self CPU time per step by category (profiled, {total / 1e3:.0f} ms):")
     for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):

@@ -248,6 +248,7 @@ def _head_loss_chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, gr
         logits_CV = _chunk_logits(h_CD, w_VD, None if onednn else buf_CV[: len(h_CD)])
         logits_CV[:, vocab_size:] = float("-inf")
         torch.log_softmax(logits_CV, dim=-1, out=lp_CV)
+        del logits_CV  # oneDNN's fresh logits: freed before the next chunk's, not after
         loss_N[part] = -lp_CV.gather(1, safe_C[:, None]).squeeze(1)
         if grad_scale_N is None:
             continue

@@ -70,3 +70,11 @@ def test_train_bench_smoke(monkeypatch):
     assert "A: lmforge eager" in out and "x hf eager; peak memory" in out
     assert "peak RSS of a fresh process" in out
     assert "largest micro-batch in HF's budget:" in out
+
+
+def test_profile_step_runs_the_bench_step():
+    res = run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "lmforge", "--shape", "B",
+               "--steps", "1", "--top", "3"], timeout=300, retries=0)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "lmforge eager shape B (V 4096, " in res.stdout
+    assert "self CPU time per step by category" in res.stdout and "matmul" in res.stdout
