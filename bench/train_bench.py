@@ -201,6 +201,11 @@ def memory_mb(device: str, peak: bool) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
 
 
+def memory_kind(device: str) -> str:
+    """What memory_mb(device, peak=True) reads."""
+    return "torch.cuda.max_memory_allocated" if device.startswith("cuda") else "peak RSS"
+
+
 def worker(r: Run) -> dict:
     one_step = training_step(r)
     base_mb = memory_mb(r.device, peak=False)
@@ -234,14 +239,14 @@ LIVE_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 MAX_SEARCH_RUNS = 8  # the largest-micro-batch search converges in 2-4 runs at the real shapes
 
 
-def memory_section(base: Run, impls: list[tuple[str, bool]], what: str) -> None:
+def memory_section(base: Run, impls: list[tuple[str, bool]]) -> None:
     """Peak memory at batch 1 and base.batch per configuration (fresh process, 2 steps,
     LIVE_RSS_ENV). The budget is HF's lowest peak at base.batch; lmforge's largest micro-batch
     within it is estimated from its per-sequence slope, then run, and stepped down until it fits."""
     env = {**os.environ, **LIVE_RSS_ENV}
     B0 = base.batch
     configs = [c for c in impls if c[0] in ("lmforge", "hf")]
-    print(f"\nmemory at shape A ({what} of a fresh process, 2 steps, {LIVE_RSS_ENV}):")
+    print(f"\nmemory at shape A ({memory_kind(base.device)} of a fresh process, 2 steps, {LIVE_RSS_ENV}):")
     fit = {}
 
     def peak(impl, comp, batch):
@@ -356,11 +361,10 @@ def main() -> None:
     rounds, steps = (1, 2) if a.smoke else (1, 3) if a.quick else (a.rounds, a.steps)
     base = Run("lmforge", 0, False, str(device), dtype_name(dtype), steps, **dims)
     best = ("lmforge", True) if ("lmforge", True) in impls else ("lmforge", False)
-    what = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS"
     print(line)
     print(f"d_model {base.d_model}, {base.n_layer} layers, {base.n_head} heads, T {base.seq_len}, "
           f"batch {base.batch}; {rounds} interleaved rounds x {steps} steps after 2 warm-up steps "
-          f"(median step per run); memory: {what}\n")
+          f"(median step per run); memory: {memory_kind(base.device)}\n")
     res = {(s, impl, comp): [] for s in shapes for impl, comp in impls}
     for _ in range(rounds):
         for s, vocab in shapes.items():
@@ -400,7 +404,7 @@ def main() -> None:
     if best[1] and device.type == "cpu" and not a.quick:
         cold_compile(shapes, base, res)
     if "A" in shapes and not (a.quick or a.no_memory):
-        memory_section(replace(base, vocab=shapes["A"]), impls, what)
+        memory_section(replace(base, vocab=shapes["A"]), impls)
 
 
 if __name__ == "__main__":
