@@ -18,6 +18,7 @@ from data_prep.shards import (
     SPLITS,
     Manifest,
     ShardInfo,
+    copy_plain_tree,
     load_manifest,
     shard_name,
 )
@@ -33,7 +34,7 @@ def merge(dirs: list[Path], out: Path) -> Manifest:
         return load_manifest(out)
     out.mkdir(parents=True, exist_ok=True)
     save_state(out, identity, [])
-    shutil.copytree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
+    copy_plain_tree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
     m0 = parts[0]
     stats = {k: sum(m.stats.get(k, 0) for m in parts) for k in m0.stats if k != "val_threshold"}
     merged = Manifest(version=FORMAT_VERSION, vocab_size=m0.vocab_size, eot_id=m0.eot_id,
@@ -74,6 +75,9 @@ def link_shards(parts: list[Manifest], out: Path) -> list[ShardInfo]:
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
+    if src.is_symlink():  # linking or copying it would take in whatever file it points to
+        raise DataError(f"{src} is a symbolic link; merge takes regular shard files only "
+                        "(replace the link with the file it points to)")
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.unlink(missing_ok=True)
     try:

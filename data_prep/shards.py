@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +149,25 @@ def map_tokens(path: Path | str, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+def symlinks_in(directory: Path) -> list[Path]:
+    """The symbolic links in `directory` (itself included), never following one."""
+    found = [directory] if directory.is_symlink() else []
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        found += [Path(root, n) for n in (*dirs, *files) if Path(root, n).is_symlink()]
+    return found
+
+
+def copy_plain_tree(src: Path, dst: Path, dirs_exist_ok: bool = False) -> None:
+    """Copy a tokenizer or data directory, refusing any symbolic link in it: following one would
+    put a file from outside (a user's secret, say) into a checkpoint or an export."""
+    links = symlinks_in(Path(src))
+    if links:
+        raise DataError(f"{links[0]} is a symbolic link; lmforge copies only regular files out of "
+                        f"{src} (replace the link with the file it points to)")
+    # symlinks=True: a link made after the check above is copied as a link, never followed.
+    shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=dirs_exist_ok)
+
+
 def file_sha256(path: Path | str) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
@@ -224,6 +244,10 @@ def manifest_from_json(d: dict[str, Any], where: Path) -> Manifest:
         raise ShardError(f"{where} is malformed ({e}); {fix}") from None
     if bad := [s.file for s in m.shards if s.split not in SPLITS]:
         raise ShardError(f"{where} lists shards of unknown split: {bad}; {fix}")
+    # A shard is a file of this directory: a path ("../x", "/etc/x") would read outside it.
+    if bad := [s.file for s in m.shards if not isinstance(s.file, str) or Path(s.file).name != s.file
+               or s.file in ("", ".", "..")]:
+        raise ShardError(f"{where} names shards outside its directory: {bad[:2]}; {fix}")
     return m
 
 

@@ -13,15 +13,17 @@ Specs accepted by `load_tokenizer`:
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 from data_prep.errors import DataError
+from data_prep.shards import atomic_write_bytes, file_sha256, symlinks_in
 
 EOT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
@@ -72,19 +74,35 @@ def load_tokenizer(spec: str) -> tiktoken.Encoding:
                     "file, a tokenizer directory, or bpe:N")
 
 
-def _read_ranks(path: Path) -> dict[bytes, int]:
-    try:
-        ranks = load_tiktoken_bpe(str(path))
-    except (ValueError, OSError) as e:
-        raise DataError(f"{path} is not a .tiktoken vocabulary ({e}); give a tiktoken "
-                        "base64-ranks file") from None
+def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
+    """tiktoken's "base64 rank" lines, parsed from bytes already read (and, for a tokenizer
+    directory, already hashed). Never through `load_tiktoken_bpe`: it caches files by the sha1 of
+    their path string in a shared temp folder, so another vocabulary prepared at the same
+    relative path would be decoded in place of the one just verified."""
+    ranks = {}
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as e:
+            raise DataError(f"{path} is not a .tiktoken vocabulary (line {n}: {e}); give a "
+                            "tiktoken base64-ranks file") from None
     if not ranks:
         raise DataError(f"{path} holds no tokens; give a non-empty .tiktoken file")
     return ranks
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({e.strerror}); check the path") from None
+
+
 def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
-    ranks = _read_ranks(path)
+    ranks = _parse_ranks(_read_bytes(path), path)
     name, pattern, special = KNOWN_VOCABS.get(
         len(ranks), (path.stem, CL100K_PATTERN, {EOT: len(ranks)}))
     sidecar = path.with_name(path.name + ".json")
@@ -153,8 +171,6 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
                        name: str) -> dict:
     """Write DIR/vocab.tiktoken and DIR/tokenizer.json; returns the tokenizer.json dict.
     `kind` says where it came from: "tiktoken" (a name), "file" (a .tiktoken path) or "bpe"."""
-    from data_prep.shards import atomic_write_bytes, file_sha256
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # tiktoken's own dump_tiktoken_bpe needs blobfile; the format is one "base64 rank" per line.
@@ -173,10 +189,16 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
 
 def read_tokenizer_meta(directory: Path | str) -> dict:
     """tokenizer.json of a tokenizer directory, with vocab.tiktoken's sha256 checked."""
-    from data_prep.shards import file_sha256
+    return _read_verified(Path(directory))[0]
 
-    directory = Path(directory)
+
+def _read_verified(directory: Path) -> tuple[dict, bytes]:
+    """(tokenizer.json, the vocabulary's bytes): the bytes returned are the bytes hashed, so
+    nothing can swap the file between the check and the parse."""
     meta_path, vocab_path = directory / META_FILE, directory / VOCAB_FILE
+    if links := symlinks_in(directory):  # every checkpoint copies this directory: refuse early
+        raise DataError(f"{links[0]} is a symbolic link; a tokenizer directory holds regular files "
+                        "only (replace the link with the file it points to)")
     if not meta_path.is_file() or not vocab_path.is_file():
         raise DataError(f"{directory} is not a tokenizer directory (needs {META_FILE} and "
                         f"{VOCAB_FILE}); point at OUT/tokenizer of a prepared dataset")
@@ -184,20 +206,25 @@ def read_tokenizer_meta(directory: Path | str) -> dict:
         meta = json.loads(meta_path.read_text())
     except ValueError as e:
         raise DataError(f"cannot parse {meta_path} ({e}); re-run `lmforge prepare`") from None
-    if file_sha256(vocab_path) != meta.get("sha256"):
+    vocab = _read_bytes(vocab_path)
+    if not isinstance(meta, dict) or hashlib.sha256(vocab).hexdigest() != meta.get("sha256"):
         raise DataError(f"{vocab_path} does not match the sha256 in {META_FILE} (modified or "
                         "corrupted); copy the tokenizer directory again from the dataset")
-    return meta
+    return meta, vocab
 
 
 def load_tokenizer_dir(directory: Path | str) -> tiktoken.Encoding:
     """The Encoding saved by `save_tokenizer_dir` (vocabulary sha256 validated)."""
     directory = Path(directory)
-    meta = read_tokenizer_meta(directory)
-    enc = _encoding(meta["name"], meta["pattern"], _read_ranks(directory / VOCAB_FILE),
-                    meta["special_tokens"])
-    if enc.n_vocab != meta["n_vocab"]:
-        raise DataError(f"{directory}: n_vocab {enc.n_vocab} != {meta['n_vocab']} in {META_FILE}; "
+    meta, vocab = _read_verified(directory)
+    try:
+        name, pattern, special, n_vocab = (meta["name"], meta["pattern"], meta["special_tokens"],
+                                           meta["n_vocab"])
+    except KeyError as e:
+        raise DataError(f"{directory / META_FILE} lacks {e}; re-run `lmforge prepare`") from None
+    enc = _encoding(name, pattern, _parse_ranks(vocab, directory / VOCAB_FILE), special)
+    if enc.n_vocab != n_vocab:
+        raise DataError(f"{directory}: n_vocab {enc.n_vocab} != {n_vocab} in {META_FILE}; "
                         "copy the tokenizer directory again from the dataset")
     return enc
 

@@ -21,6 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from data_prep.shards import copy_plain_tree
 from data_prep.tokenizer import EOT, VOCAB_FILE, eot_id, load_tokenizer_dir, read_tokenizer_meta
 from launch.cli import ArgumentParser
 from model.hf import export_hf
@@ -93,13 +94,13 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     eot = eot_id(load_tokenizer_dir(ckpt.tokenizer_dir))
+    copy_plain_tree(ckpt.tokenizer_dir, tmp / TOKENIZER_COPY)  # first: it refuses symlinks
     export_hf(ckpt.model, ckpt.config, tmp, eos_token_id=eot)
     try:
         save_hf_tokenizer(ckpt.tokenizer_dir, tmp, ckpt.config.max_seq_len)
     except ImportError:  # transformers converts the vocabulary; the weights need only safetensors
         print("note: transformers is not installed, so no tokenizer.json was written "
               "(pip install 'lmforge[hf]'); the vocabulary is in lmforge_tokenizer/", file=sys.stderr)
-    shutil.copytree(ckpt.tokenizer_dir, tmp / TOKENIZER_COPY)
     marker = {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "model": ckpt.config.to_dict()}
     (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)

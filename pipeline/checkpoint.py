@@ -22,15 +22,15 @@ Every checkpoint carries its tokenizer, so a single directory is enough to evalu
 "Newest" means newest of the run's current line of checkpoints: resuming from an older checkpoint
 than the newest (a rollback) moves the newer ones, and a final/ export past that step, aside into
 checkpoints/abandoned/, so keep-K, `--resume auto` and `--ckpt RUN` never pick the abandoned branch.
-DCP's `.metadata` is a pickle: it is read through an unpickler that admits only the classes DCP
-writes, so opening someone else's checkpoint cannot run code.
+Opening someone else's checkpoint can neither run code nor read outside it: DCP is read through
+pipeline.safe_dcp, tensors and RNG states with weights_only=True, meta.json as typed JSON, and
+no file of a checkpoint is ever copied through a symbolic link.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import pickle
 import re
 import shutil
 import time
@@ -43,7 +43,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -51,10 +50,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from data_prep.shards import copy_plain_tree
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from pipeline.distributed import DistInfo, barrier
 from pipeline.metrics import get_logger
+from pipeline.safe_dcp import CheckpointError, load_into, refusal
 
 FORMAT = "lmforge-checkpoint"
 VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
@@ -62,10 +63,6 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 ABANDONED = "abandoned"
 
 log = get_logger()
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete, from another format version, or from another model."""
 
 
 @contextlib.contextmanager
@@ -203,16 +200,23 @@ def _step_or_none(ckpt_dir: Path) -> int | None:
         return None
 
 
-def abandon_newer(run_dir: Path, step: int) -> Path | None:
-    """Rank 0, before a run resumed from `step` writes anything: move the step checkpoints newer
-    than `step`, and a final/ export past it, to checkpoints/abandoned/TIME_after_step_N/ (logged,
-    never deleted), so that the line being continued is the run's only current one."""
+def abandon_newer(run_dir: Path, step: int, resumed: Path) -> Path | None:
+    """Rank 0, before a run resumed from `resumed` (at `step`) writes anything: move aside, to
+    checkpoints/abandoned/TIME_after_step_N/ (logged, never deleted), whatever the continued line
+    would otherwise replace or mix with: the step checkpoints newer than `step` and a final/
+    export past it. When `resumed` is not this run's own checkpoints/step_N (another branch's
+    abandoned copy, another run's checkpoint), this run's step_N and its final/ belong to a
+    different branch: they are moved aside too, so `--resume auto` and `--ckpt RUN` agree."""
     root = run_dir / "checkpoints"
-    newer = [c for c in list_complete(root) if int(STEP_DIR.match(c.name)[1]) > step]
+    own = root / step_dir_name(step)
+    foreign = not own.is_dir() or own.resolve() != Path(resumed).resolve()
+    moved = [c for c in list_complete(root)
+             if int(STEP_DIR.match(c.name)[1]) > step - (1 if foreign else 0)]
     final = run_dir / "final"
-    if (final / "meta.json").is_file() and (_step_or_none(final) or 0) > step:
-        newer.insert(0, final)  # first: a crash mid-move must not leave final/ as the newest
-    if not newer:
+    final_step = _step_or_none(final) if (final / "meta.json").is_file() else None
+    if final_step is not None and (foreign or final_step > step):
+        moved.insert(0, final)  # first: a crash mid-move must not leave final/ as the newest
+    if not moved:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     dest = root / ABANDONED / f"{stamp}_after_{step_dir_name(step)}"
@@ -220,10 +224,10 @@ def abandon_newer(run_dir: Path, step: int) -> Path | None:
     while dest.exists():
         dest, n = dest.with_name(f"{stamp}_after_{step_dir_name(step)}_{n}"), n + 1
     dest.mkdir(parents=True)
-    for c in newer:
+    for c in moved:
         c.rename(dest / c.name)
-    log.warning("resuming from step %d, older than the newest checkpoint: moved %s to %s",
-                step, ", ".join(c.name for c in newer), dest)
+    log.warning("resuming from %s (step %d), not the newest checkpoint of this run: moved %s to %s",
+                resumed, step, ", ".join(c.name for c in moved), dest)
     return dest
 
 
@@ -271,7 +275,7 @@ def save_training(
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank:05d}.pt")
     barrier(info)
     if info.is_main:
-        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        copy_plain_tree(tokenizer_dir, tmp / "tokenizer")
         _write_json(tmp / "meta.json", meta.to_json())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -325,64 +329,19 @@ def load_training(
 ) -> None:
     """Collective: restore model + optimizer (resharding as needed) and this rank's RNG from a
     checkpoint accepted by `read_resumable`."""
-    reader = SafeFileSystemReader(ckpt_dir)
-    reader.read_metadata()  # refuse a crafted .metadata before DCP touches it, with our message
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_ok():
-        dcp.load(state, storage_reader=reader, no_dist=not info.is_distributed)
+        load_into(state, ckpt_dir, no_dist=not info.is_distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     rng_file = ckpt_dir / f"rng_rank{info.rank:05d}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than wrote the checkpoint
-        _set_rng_state(torch.load(rng_file, weights_only=True))
-
-
-# --------------------------------------------------------------------------------------------
-# DCP metadata without arbitrary unpickling
-
-# Every global a DCP .metadata pickle names (torch 2.x): its dataclasses, torch.Size, dtypes,
-# layouts (rebuilt by name) and the checkpoint path. Anything else is refused.
-_DCP_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _DCP_GLOBALS or is_dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP never writes")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader, reading .metadata through the allow-list unpickler above."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
         try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, use another") from None
-        except Exception as e:  # any malformed pickle: one line, never a traceback
-            raise CheckpointError(
-                f"refusing to load {path}: not DCP metadata lmforge can read safely ({e}); "
-                "the file is corrupt or crafted, use a checkpoint you trust"
-            ) from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        except Exception as e:  # weights_only refuses code; a wrong layout is just as bad
+            raise refusal(rng_file, f"not an RNG state ({type(e).__name__})") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,7 +369,7 @@ def save_consolidated(
     tmp.mkdir(parents=True)
     tensors = {k: v.contiguous() for k, v in _drop_tied(state, meta.model).items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
-    shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+    copy_plain_tree(tokenizer_dir, tmp / "tokenizer")
     _write_json(tmp / "meta.json", meta.to_json())
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
@@ -446,11 +405,9 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     if weights.is_file():
         state = load_file(str(weights))
     else:
-        reader = SafeFileSystemReader(ckpt)
-        _check_dcp_shapes(reader, model, ckpt)
         box = {"model": dict(model.state_dict())}
         with _single_process_ok():
-            dcp.load(box, storage_reader=reader, no_dist=True)
+            load_into(box, ckpt, no_dist=True)
         state = box["model"]
     _load_strict(model, state, meta.model, ckpt)
     model.to(device).eval()
@@ -468,13 +425,6 @@ def _check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size],
     wrong = [f"{k}: {tuple(found[k])} vs {tuple(v)}" for k, v in expected.items() if k in found and found[k] != v]
     if wrong:
         raise _misfit(where, "shape " + "; ".join(wrong[:2]))
-
-
-def _check_dcp_shapes(reader: SafeFileSystemReader, model: GPT, where: Path) -> None:
-    stored = reader.read_metadata().state_dict_metadata
-    found = {k.removeprefix("model."): v.size for k, v in stored.items()
-             if k.startswith("model.") and hasattr(v, "size")}
-    _check_shapes({k: v.shape for k, v in model.state_dict().items()}, found, where)
 
 
 def _load_strict(model: GPT, state: dict, cfg: ModelConfig, where: Path) -> None:

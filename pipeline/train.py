@@ -292,7 +292,7 @@ class Trainer:
         self.lineage, self.parent_step = meta.lineage, meta.step
         self.length.keep_fixed(meta.config)
         if self.info.is_main:  # a rollback: the newer checkpoints leave the current line
-            ckpt.abandon_newer(self.run_dir, self.step)
+            ckpt.abandon_newer(self.run_dir, self.step, where)
         log.info("resumed from %s at step %d (written by %d ranks)", where, self.step,
                  meta.world_size)
 

@@ -214,3 +214,35 @@ def test_loader_start_up_and_reads_hash_nothing(tmp_path, monkeypatch):
     shard.write_bytes(bytes(raw))
     with pytest.raises(S.ShardError, match=r"train_000007.bin holds token id \d+ >= vocab size 300"):
         TokenWindows(tmp_path, "train", 16, vocab).windows(range(windows.num_windows))
+
+
+# ---- resuming another branch at the current line's newest step ----------------------------------
+
+
+def test_resuming_an_abandoned_branch_at_the_newest_step_moves_the_current_line_aside(tiny_data, tmp_path):
+    """Branch A reaches step 4; branch B rolls back to 2 and reaches 4 too; resuming A's step 4
+    must move B's step 4 and B's final/ aside (never delete them), so that `--resume auto` and
+    `--ckpt RUN` then both follow A."""
+    run_dir = tmp_path / "run"
+    common = ("--checkpoint.every", "2", "--checkpoint.keep", "5")
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4", *common), CPU).fit()
+    step2 = run_dir / "checkpoints" / "step_00000002"
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4", "--optim.lr", "1e-3",
+                    "--checkpoint.resume", str(step2), *common), CPU).fit()
+    (a_moved,) = (run_dir / "checkpoints" / ckpt.ABANDONED).iterdir()
+    a_step4 = a_moved / "step_00000004"
+    b_weights = ckpt.load_for_inference(run_dir / "final").model.state_dict()
+
+    Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "6", "--checkpoint.resume", str(a_step4),
+                    *common), CPU).fit()
+    moved = sorted((run_dir / "checkpoints" / ckpt.ABANDONED).iterdir())
+    assert len(moved) == 2
+    b_moved = next(m for m in moved if m != a_moved)
+    assert sorted(p.name for p in b_moved.iterdir()) == ["final", "step_00000004"]
+    kept = ckpt.load_for_inference(b_moved / "final").model.state_dict()
+    assert all(torch.equal(kept[k], b_weights[k]) for k in b_weights)  # B's export, untouched
+    assert step_names(run_dir) == ["step_00000002", "step_00000006"]
+    newest = find_resume(cfg_for(tiny_data, run_dir, "--checkpoint.resume", "auto"), run_dir)
+    final = ckpt.load_for_inference(run_dir).model.state_dict()
+    resumable = ckpt.load_for_inference(newest).model.state_dict()
+    assert newest.name == "step_00000006" and all(torch.equal(final[k], resumable[k]) for k in final)
