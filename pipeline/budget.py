@@ -1,6 +1,6 @@
 """Size a run to a wall-clock budget (`train.time_budget_s`): how `lmforge demo` fits any machine.
 
-The trainer times its first CALIBRATION_STEPS steps (the first excluded: it pays for allocation,
+The trainer times its first config.CALIBRATION_STEPS steps (the first excluded: it pays for allocation,
 warm-up and compilation), measures what one eval batch and one round of samples cost, and then
 fixes, once, the largest number of steps (at most train.max_steps) whose steps, periodic evals,
 samples and checkpoints and the final export fit the budget. The eval/sample/checkpoint/log
@@ -17,13 +17,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pipeline.config import JobConfig
+from pipeline.config import JobConfig
 
-CALIBRATION_STEPS = 5
-"""Steps before the choice; steps 2..5 are timed. optim.warmup_steps must be at least this."""
 SAFETY = 0.9
 """Fraction of the remaining time planned for: step times drift (thermal, a shared machine)."""
 DISK_BYTES_PER_S = 200e6

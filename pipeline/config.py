@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
-from pipeline.budget import CALIBRATION_STEPS
 from pipeline.typed_config import (  # noqa: F401 - ConfigError, parse_overrides: re-exported
     ConfigError,
     apply_overrides,
@@ -37,6 +36,10 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
+
+CALIBRATION_STEPS = 5
+"""Steps timed before a time budget sizes the run (pipeline.budget; the first is excluded: it
+pays for allocation and compilation). optim.warmup_steps must be at least this."""
 
 
 @dataclass

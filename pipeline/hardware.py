@@ -304,3 +304,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if pin_memory_for(device):
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of `device` for matmuls in `dtype` (None if unknown), logging which peak it
+    is; `dtype` must be the one the run computes in."""
+    get_logger().info(peak_note(device, dtype))
+    return matmul_peak(device, dtype)

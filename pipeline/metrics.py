@@ -5,7 +5,6 @@
   when enabled. Train loss is logged as `loss`, validation loss as `val_loss` (what `plot_losses`
   reads).
 - `Progress`: a tqdm bar with loss, lr, tokens/s, MFU and ETA, and a log line every log_every steps.
-- `peak_flops`: the device's peak for MFU in the computed dtype (`pipeline.hardware`), logged.
 - `plot_losses`: the end-of-run loss curve as a PNG.
 """
 
@@ -20,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 LOGGER_NAME = "lmforge"
@@ -169,15 +167,6 @@ class Progress:
 
     def close(self) -> None:
         self._bar.close()
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of `device` for matmuls in `dtype` (None if unknown), logging which peak it
-    is; `dtype` must be the one the run computes in. See `pipeline.hardware.matmul_peak`."""
-    from pipeline.hardware import matmul_peak, peak_note  # hardware logs through this module
-
-    get_logger().info(peak_note(device, dtype))
-    return matmul_peak(device, dtype)
 
 
 def _read_losses(metrics_jsonl: Path, key: str) -> tuple[list[int], list[float]]:

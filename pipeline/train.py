@@ -25,6 +25,7 @@ from model import GPT, ModelConfig, generate
 from pipeline import budget
 from pipeline import checkpoint as ckpt
 from pipeline.config import (
+    CALIBRATION_STEPS,
     ConfigError,
     DataConfig,
     Derived,
@@ -40,8 +41,8 @@ from pipeline.config import (
 from pipeline.data import TokenWindows, TrainLoader
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.evaluate import eval_batches, evaluate
-from pipeline.hardware import dtype_name, matmul_peak, to_device
-from pipeline.metrics import MetricsLogger, Progress, get_logger, peak_flops, plot_losses
+from pipeline.hardware import dtype_name, matmul_peak, peak_flops, to_device
+from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses
 from pipeline.optim import apply_schedule, build_optimizer
 from pipeline.parallelize import (
     ParallelModel,
@@ -210,7 +211,7 @@ class RunLength:
         if tb is None:
             return None
         tb.step_done()
-        if step < budget.CALIBRATION_STEPS:
+        if step < CALIBRATION_STEPS:
             return None
         costs = hook_costs()
         # Every rank must choose the same length: plan from the ranks' mean measurements.

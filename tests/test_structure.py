@@ -130,3 +130,90 @@ def test_precision_autocasts_a_plain_module_exactly_when_computing_in_bf16(dtype
 
     with Precision(dtype, torch.device("cpu")).autocast(nn.Linear(2, 2)):
         assert torch.is_autocast_enabled("cpu") is autocast
+
+
+# ---- the sizes the project set itself, and no import circles -------------------------------------
+
+PACKAGES = ("model", "data_prep", "pipeline", "launch")
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 60
+
+
+def project_modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def oversized(source: str, where: str) -> list[str]:
+    lines = source.count("\n") + (not source.endswith("\n"))
+    found = [f"{where}: {lines} lines > {MAX_FILE_LINES}"] if lines > MAX_FILE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.lineno} {node.name}: {n} lines > {MAX_FUNCTION_LINES}")
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere (lazily and under TYPE_CHECKING too:
+    a circle broken only by an import's position is still two modules that need each other)."""
+    return {m: {name for _, name in imported_modules(src, m) if name in sources and name != m}
+            for m, src in sources.items()}
+
+
+def test_no_file_or_function_is_past_the_projects_sizes():
+    problems = []
+    for path in project_modules().values():
+        problems += oversized(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    assert not problems, "split these by responsibility:\n" + "\n".join(problems)
+
+
+def test_no_import_circles_between_the_projects_modules():
+    sources = {m: p.read_text(encoding="utf-8") for m, p in project_modules().items()}
+    cycles = import_cycles(import_graph(sources))
+    assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_size_and_circle_checks_can_fail():
+    long_function = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    assert oversized(long_function, "x.py") and not oversized("def f():\n    pass\n", "x.py")
+    assert oversized("x = 1\n" * (MAX_FILE_LINES + 1), "x.py")
+    lazy_circle = {"pipeline.a": "def f():\n    from pipeline.b import g\n",
+                   "pipeline.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pipeline.a\n",
+                   "pipeline.c": "from pipeline import a\n"}
+    assert import_cycles(import_graph(lazy_circle)) == [["pipeline.a", "pipeline.b"]]
