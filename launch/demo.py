@@ -27,6 +27,7 @@ from pathlib import Path
 
 from data_prep.prepare import PrepareConfig, prepare
 from data_prep.tokenizer import encode_prompt, load_tokenizer_dir
+from launch.cli import ArgumentParser
 from launch.evaluate import evaluate_checkpoint, report
 from launch.prepare import summary
 from launch.sample import write_sample
@@ -49,7 +50,7 @@ QUICK = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge demo", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="lmforge demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"),
                    help="where the data and the run go (default: runs/demo)")
     p.add_argument("--nproc", type=int, default=1, help="training processes (torchrun when > 1)")

@@ -10,7 +10,6 @@ and the matmul peak that MFU is relative to.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -20,6 +19,7 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
+from launch.cli import ArgumentParser
 from pipeline import hardware
 from pipeline.parallelize import resolve_compile
 
@@ -137,7 +137,7 @@ def render(info: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmforge env", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="lmforge env", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = p.parse_args(argv)
     info = collect()

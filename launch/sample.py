@@ -23,6 +23,7 @@ import tiktoken
 import torch
 
 from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir
+from launch.cli import ArgumentParser
 from model import SamplingError, SamplingParams, stream
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
@@ -32,7 +33,7 @@ from pipeline.parallelize import Precision
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge sample", description="Generate text from a checkpoint.")
+    p = ArgumentParser(prog="lmforge sample", description="Generate text from a checkpoint.")
     p.add_argument("--ckpt", required=True,
                    help="run directory (newest checkpoint), checkpoints/step_* or final/")
     prompt = p.add_mutually_exclusive_group(required=True)

@@ -22,35 +22,44 @@ from pathlib import Path
 
 from data_prep.errors import DataError
 from data_prep.shards import load_manifest
+from launch.cli import ArgumentParser
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
 from pipeline.distributed import DistInfo, distributed
 from pipeline.metrics import get_logger, setup_logging
 from pipeline.plan import meta_model
 from pipeline.plan import report as plan_report
 from pipeline.train import Trainer, TrainingStopped, model_config_for
+from pipeline.typed_config import keys_help, number
 
 log = get_logger()
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(
-        prog="python -m launch.train",
-        description="Train a GPT. Any config key can be overridden: --train.max_steps 100",
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="lmforge train",
+        description="Train a GPT. Every config key below can be set in a --config TOML file "
+                    "or overridden on the command line: --train.max_steps 100",
+        epilog="config keys (type = default):\n" + keys_help(JobConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file in configs/ (defaults when omitted)")
     p.add_argument("--resume", help="none | auto | PATH (shortcut for --checkpoint.resume)")
+    p.add_argument("--nproc", type=number(int, 1), default=None,
+                   help="processes per node: `lmforge train` starts torchrun with N; with "
+                        "--dry-run, the plan is for N (default: $WORLD_SIZE or 1)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config and derived sizes, then exit")
-    plan = p.add_argument_group(
-        "--dry-run planning (pipeline/plan.py): memory per GPU, traffic, time")
-    plan.add_argument("--nproc", type=int,
-                      help="processes (GPUs) per node (default: $WORLD_SIZE or 1)")
-    plan.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+                   help="print the resolved config, derived sizes and plan, then exit")
+    plan = p.add_argument_group("--dry-run planning (pipeline/plan.py): memory per GPU, traffic, time")
+    plan.add_argument("--nnodes", type=number(int, 1), default=1, help="nodes (default 1)")
     plan.add_argument("--gpu", default="H100",
                       help="GPU model for memory and peak FLOP/s (default H100)")
-    plan.add_argument("--mfu", type=float, default=0.4,
+    plan.add_argument("--mfu", type=number(float, 1e-3, 1.0), default=0.4,
                       help="assumed model FLOPs utilisation (default 0.4)")
-    args, overrides = p.parse_known_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    args, overrides = build_parser().parse_known_args(argv)
     if args.resume:
         overrides += ["--checkpoint.resume", args.resume]
     return args, overrides
@@ -68,9 +77,6 @@ def count_params(cfg: JobConfig) -> int:
 
 def dry_run(cfg: JobConfig, args: argparse.Namespace) -> int:
     nproc = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
-    if nproc < 1 or args.nnodes < 1 or not 0 < args.mfu <= 1:
-        raise ConfigError(f"--nproc {nproc} --nnodes {args.nnodes} --mfu {args.mfu:g}: expected "
-                          "--nproc >= 1, --nnodes >= 1 and 0 < --mfu <= 1 (e.g. 0.4)")
     derived = derive(cfg, nproc * args.nnodes)  # a batch that does not divide: error, no output
     plan = plan_report(cfg, nproc, args.nnodes, args.gpu, args.mfu)
     print(to_toml(cfg))
@@ -109,19 +115,30 @@ def fit(cfg: JobConfig, info: DistInfo) -> int:
 
 def cli_main(argv: list[str]) -> int:
     """`lmforge train [--nproc N] ...`: one process, or torchrun with N processes on this node."""
-    p = argparse.ArgumentParser(prog="lmforge train", add_help=False)
-    p.add_argument("--nproc", type=int, default=1)
-    args, rest = p.parse_known_args(argv)
-    if args.nproc <= 1 or "--dry-run" in rest:  # a dry run plans --nproc, it starts nothing
+    parsed, overrides = parse_args(argv)
+    if (parsed.nproc or 1) <= 1 or parsed.dry_run:  # a dry run plans --nproc, it starts nothing
         return main(argv)
-    parsed, overrides = parse_args(rest)
     # Config and data mistakes: one line here, not one per rank under a torchrun traceback.
     load_manifest(load_config(parsed.config, overrides).data.path)
+    rest = _without_nproc(argv)
     torchrun = shutil.which("torchrun")
     prefix = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = prefix + ["--standalone", f"--nproc_per_node={args.nproc}", "-m", "launch.train", *rest]
+    cmd = prefix + ["--standalone", f"--nproc_per_node={parsed.nproc}", "-m", "launch.train", *rest]
     os.execv(cmd[0], cmd)
     return 0  # unreachable
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """argv less `--nproc N` / `--nproc=N`: torchrun's workers are each one of the N."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":  # the torchrun / accelerate target: -m launch.train

@@ -30,18 +30,25 @@ class ModelConfig:
     vocab_size: int = 0
     """Real vocabulary size; 0 means "not set yet" (the pipeline fills it from the dataset)."""
     n_layer: int = 4
+    """Transformer blocks."""
     n_head: int = 4
+    """Query heads; d_model / n_head is the head dimension (even, for RoPE)."""
     n_kv_head: int = 4
     """Key/value heads: n_head = MHA, fewer = GQA, 1 = MQA. Must divide n_head."""
     d_model: int = 256
+    """Width of the residual stream (and of the tied token embedding)."""
     d_mlp: int | None = None
     """MLP hidden size; None = 8/3·d_model rounded up to a multiple of 64 (SwiGLU) or 4·d_model (GELU)."""
     mlp: str = "swiglu"
     """"swiglu" (Llama, exportable to Hugging Face) or "gelu" (GPT-2 style)."""
     rope_theta: float = 10000.0
+    """RoPE base: larger stretches the rotary wavelengths for longer contexts."""
     max_seq_len: int = 1024
+    """Longest sequence the RoPE tables and the KV cache are built for (training and sampling)."""
     norm_eps: float = 1e-5
+    """RMSNorm's epsilon."""
     tie_embeddings: bool = True
+    """The LM head reuses the token embedding matrix (GPT-2 / nanoGPT style, fewer parameters)."""
     init_std: float = 0.02
     """Std of every weight matrix; residual-output projections get init_std / sqrt(2·n_layer)."""
 

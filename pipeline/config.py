@@ -102,8 +102,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95
+    """AdamW's second-moment decay; 0.95 rather than 0.999 keeps the large-batch LM runs stable."""
     eps: float = 1e-8
+    """AdamW's denominator floor."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     fused: Literal["auto", "on", "off"] = "auto"
@@ -178,6 +181,7 @@ class LogConfig:
     wandb: Literal["online", "offline", "disabled"] = "disabled"
     """online needs an account and network; offline writes a local run to sync later."""
     wandb_project: str = "lmforge"
+    """The wandb project the run is logged to (with log.wandb on)."""
 
 
 @dataclass

@@ -14,10 +14,13 @@ Help text: a field's `metadata={"help": ...}` (the runtime-readable form of a fi
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import difflib
+import inspect
 import math
 import sys
+import textwrap
 import types
 import typing
 from typing import Any, Literal, Union
@@ -53,6 +56,30 @@ def unknown_key(name: str, candidates: list[str]) -> ConfigError:
     close = close or difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     hint = f" — did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"unknown key '{name}'{hint}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its docstring: the string literal right after the field in the class body
+    (the form the config classes are written in; Python keeps none of it at run time)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: " ".join(nxt.value.value.split())
+            for node, nxt in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)}
+
+
+def keys_help(root: type) -> str:
+    """Every `--section.key` of `root` with its type, default and docstring, for --help."""
+    lines = []
+    for section, cls in field_types(root).items():
+        docs, defaults = field_docs(cls), cls()
+        lines.append(f"[{section}]")
+        for name, tp in field_types(cls).items():
+            lines.append(f"  --{section}.{name} {type_name(tp)} = {getattr(defaults, name)!r}")
+            lines += textwrap.wrap(docs.get(name, ""), 96, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6)
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- values
