@@ -35,6 +35,7 @@ from pipeline.distributed import DistInfo  # noqa: E402
 from pipeline.hardware import configure_cuda, dtype_name, matmul_peak, resolve_dtype  # noqa: E402
 from pipeline.optim import build_optimizer  # noqa: E402
 from pipeline.parallelize import Precision, parallelize  # noqa: E402
+from pipeline.run_dir import RunDir  # noqa: E402
 from tests import launch_utils as lu  # noqa: E402  (the tests' launch helpers: one launch code)
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
@@ -158,7 +159,7 @@ def multi_gpu_checks(work: Path, smoke: bool, timeout: float,
     finally:
         lu.kill_group(proc)
         proc.communicate()
-    if (run / "final").exists():
+    if RunDir(run).final.exists():
         raise RuntimeError("the run to kill finished first: nothing was resumed")
     lu.train(run_args(data, run, smoke, "--train.parallel", "ddp", "--resume", "auto"), nproc=2,
              timeout=timeout)

@@ -68,7 +68,9 @@ def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
 
 
 def read_records(out: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    from pipeline.run_dir import RunDir
+
+    return [json.loads(ln) for ln in RunDir(out).metrics.read_text().splitlines()]
 
 
 def step_seconds(r: dict) -> float:

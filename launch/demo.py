@@ -36,6 +36,7 @@ from pipeline.checkpoint import CheckpointError, load_for_inference
 from pipeline.config import ConfigError, JobConfig, load_config
 from pipeline.distributed import init_distributed
 from pipeline.hardware import dtype_name, resolve_dtype
+from pipeline.run_dir import RunDir
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "
@@ -66,7 +67,7 @@ def banner(i: int, title: str) -> None:
 
 
 def run_training(data: Path, run: Path, nproc: int, overrides: list[str]) -> None:
-    if (run / "final" / "meta.json").is_file():
+    if (RunDir(run).final / "meta.json").is_file():
         print(f"already trained: {run / 'final'} exists (delete {run} to train again)")
         return
     cmd = [sys.executable, "-m", "launch.cli", "train", "--nproc", str(nproc),
@@ -82,7 +83,7 @@ def run_training(data: Path, run: Path, nproc: int, overrides: list[str]) -> Non
 def training_summary(cfg: JobConfig, run: Path, step: int, dtype: str) -> str:
     """What the run reached: steps, tokens, measured throughput (median over logged steps, the
     first excluded: it pays for warm-up) and the dtype it computed in."""
-    rates = [r["tokens_per_s"] for r in map(json.loads, (run / "metrics.jsonl").open())
+    rates = [r["tokens_per_s"] for r in map(json.loads, RunDir(run).metrics.open())
              if r.get("step", 0) > 1 and "tokens_per_s" in r]
     rate = f"{statistics.median(rates):,.0f} tokens/s" if rates else "throughput not logged"
     return (f"trained     {step} of at most {cfg.train.max_steps} steps, "
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = encode_prompt(enc, PROMPT)
     sampling = SamplingParams(max_new_tokens=120, seed=0).fit(len(ids), ckpt.config.max_seq_len)
     sys.stdout.write(PROMPT)
-    run_cfg = load_config(str(run / "config.toml"))  # as resolved: the length the budget chose
+    run_cfg = load_config(str(RunDir(run).config))  # as resolved: the length the budget chose
     dtype = resolve_dtype(run_cfg.train.dtype, info.device)  # the rule training applied
     write_sample(ckpt, enc, ids, sampling, sys.stdout, dtype)
 

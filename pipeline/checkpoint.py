@@ -1,19 +1,16 @@
 """The checkpoint format: defined here once, versioned, validated on read.
 
-A run directory holds:
+A checkpoint (RUN/checkpoints/step_00000100/ of the run directory, pipeline.run_dir) holds:
 
-    RUN/config.toml                      resolved config of the run
-    RUN/metrics.jsonl, RUN/loss.png      metrics (pipeline.metrics)
-    RUN/checkpoints/step_00000100/       a training checkpoint (resumable)
-        meta.json                        written last: CheckpointMeta (format, version, step,
-                                         model, job config, lineage, loader position, counters)
-        .metadata, __*_*.distcp          model + optimizer, torch.distributed.checkpoint (DCP):
-                                         sharded by FSDP, reshardable to any number of ranks
-        rng_rank00000.pt ...             each rank's RNG states
-        tokenizer/                       the vocabulary (data_prep's tokenizer directory)
-    RUN/checkpoints/abandoned/TIME_.../  checkpoints a rollback moved aside (see abandon_newer)
-    RUN/final/                           the consolidated export for eval / sample / export
-        meta.json, model.safetensors, tokenizer/
+    meta.json                 written last: CheckpointMeta (format, version, step, model, job
+                              config, lineage, loader position, counters)
+    .metadata, __*_*.distcp   model + optimizer, torch.distributed.checkpoint (DCP): sharded by
+                              FSDP, reshardable to any number of ranks
+    rng_rank00000.pt ...      each rank's RNG states
+    tokenizer/                the vocabulary (data_prep's tokenizer directory)
+
+and RUN/final/, the consolidated export for eval / sample / export, holds meta.json,
+model.safetensors and tokenizer/.
 
 A checkpoint is written into `NAME.tmp` and renamed to `NAME` only when every rank has finished
 and meta.json is in place, so a crash mid-save never leaves a directory that looks complete.
@@ -55,12 +52,12 @@ from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from pipeline.distributed import DistInfo, barrier
 from pipeline.metrics import get_logger
+from pipeline.run_dir import RunDir
 from pipeline.safe_dcp import CheckpointError, load_into, refusal
 
 FORMAT = "lmforge-checkpoint"
 VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-ABANDONED = "abandoned"
 
 log = get_logger()
 
@@ -167,23 +164,23 @@ def resolve(path: str | Path) -> Path:
         p = p.parent
     if (p / "meta.json").is_file():
         return p
-    candidates = list_complete(p / "checkpoints")
-    final = p / "final"
+    candidates = list_complete(RunDir(p).checkpoints)
+    final = RunDir(p).final
     if (final / "meta.json").is_file():
         candidates.append(final)
     if not candidates:
         raise CheckpointError(
             f"no complete checkpoint in {p} (expected meta.json, checkpoints/step_*/ or final/)"
         )
-    return max(candidates, key=lambda c: (read_meta(c).step, c.name == "final"))
+    return max(candidates, key=lambda c: (read_meta(c).step, c == final))
 
 
 def resolve_resumable(path: str | Path) -> Path:
     """--resume PATH: a step checkpoint, or a run directory's newest one (final/ holds no
     optimizer state)."""
     p = Path(path)
-    if p.is_dir() and not (p / "meta.json").is_file() and list_complete(p / "checkpoints"):
-        return list_complete(p / "checkpoints")[-1]
+    if p.is_dir() and not (p / "meta.json").is_file() and list_complete(RunDir(p).checkpoints):
+        return list_complete(RunDir(p).checkpoints)[-1]
     ckpt = resolve(p)
     if not (ckpt / ".metadata").is_file():
         raise CheckpointError(
@@ -191,6 +188,23 @@ def resolve_resumable(path: str | Path) -> Path:
             "checkpoints/step_* directory"
         )
     return ckpt
+
+
+def find_resume(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint a run into `run_dir` starts from, by `checkpoint.resume`: none (and the
+    directory holds no checkpoint: a run never silently restarts over another), auto (the
+    newest complete one, if any) or a path."""
+    existing = list_complete(RunDir(run_dir).checkpoints)
+    if resume == "none":
+        if existing:
+            raise ConfigError(
+                f"{run_dir} already holds checkpoints (newest {existing[-1].name}); pass "
+                "--resume auto to continue that run, or set --log.out_dir to a new directory"
+            )
+        return None
+    if resume == "auto":
+        return existing[-1] if existing else None
+    return resolve_resumable(resume)
 
 
 def _step_or_none(ckpt_dir: Path) -> int | None:
@@ -207,19 +221,19 @@ def abandon_newer(run_dir: Path, step: int, resumed: Path) -> Path | None:
     export past it. When `resumed` is not this run's own checkpoints/step_N (another branch's
     abandoned copy, another run's checkpoint), this run's step_N and its final/ belong to a
     different branch: they are moved aside too, so `--resume auto` and `--ckpt RUN` agree."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     own = root / step_dir_name(step)
     foreign = not own.is_dir() or own.resolve() != Path(resumed).resolve()
     moved = [c for c in list_complete(root)
              if int(STEP_DIR.match(c.name)[1]) > step - (1 if foreign else 0)]
-    final = run_dir / "final"
+    final = RunDir(run_dir).final
     final_step = _step_or_none(final) if (final / "meta.json").is_file() else None
     if final_step is not None and (foreign or final_step > step):
         moved.insert(0, final)  # first: a crash mid-move must not leave final/ as the newest
     if not moved:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = root / ABANDONED / f"{stamp}_after_{step_dir_name(step)}"
+    dest = RunDir(run_dir).abandoned / f"{stamp}_after_{step_dir_name(step)}"
     n = 1
     while dest.exists():
         dest, n = dest.with_name(f"{stamp}_after_{step_dir_name(step)}_{n}"), n + 1
@@ -260,7 +274,7 @@ def save_training(
     keep: int,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     final = root / step_dir_name(meta.step)
     tmp = root / (final.name + ".tmp")
     if info.is_main:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
+from pipeline.run_dir import RunDir
 from pipeline.typed_config import (  # noqa: F401 - ConfigError, parse_overrides: re-exported
     ConfigError,
     apply_overrides,
@@ -407,7 +408,8 @@ def save_resolved(cfg: JobConfig, run_dir: str | os.PathLike) -> Path:
     """Write run_dir/config.toml (via a temporary file, so a crash never leaves half of one)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path, tmp = run_dir / "config.toml", run_dir / "config.toml.tmp"
+    path = RunDir(run_dir).config
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(to_toml(cfg))
     tmp.replace(path)
     return path

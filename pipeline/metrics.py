@@ -21,6 +21,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pipeline.run_dir import RunDir
+
 LOGGER_NAME = "lmforge"
 
 
@@ -54,7 +56,7 @@ def setup_logging(rank: int, run_dir: str | os.PathLike | None = None) -> loggin
     logger.addHandler(stream)
     if rank == 0 and run_dir is not None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        file = logging.FileHandler(Path(run_dir) / "train.log")
+        file = logging.FileHandler(RunDir(run_dir).log)
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(file)
     return logger
@@ -81,7 +83,7 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file (plot_losses keeps the last record of a
         # step logged twice).
-        self._file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self._file = open(RunDir(run_dir).metrics, "a")  # noqa: SIM115 - closed in close()
         # WANDB_MODE in the environment wins over the config, so a cluster or CI can silence it;
         # a config of "disabled" never imports wandb at all.
         mode = mode if mode == "disabled" else os.environ.get("WANDB_MODE", mode)

@@ -54,6 +54,7 @@ from pipeline.parallelize import (
     resolve_compile,
     resolve_parallel,
 )
+from pipeline.run_dir import RunDir
 
 log = get_logger()
 
@@ -69,20 +70,6 @@ class TrainingStopped(Exception):
 def model_config_for(model_cfg: ModelConfig, data_vocab: int) -> ModelConfig:
     """The model section with the vocabulary taken from the data when the config leaves it 0."""
     return replace(model_cfg, vocab_size=data_vocab) if model_cfg.vocab_size == 0 else model_cfg
-
-
-def find_resume(cfg: JobConfig, run_dir: Path) -> Path | None:
-    existing = ckpt.list_complete(run_dir / "checkpoints")
-    if cfg.checkpoint.resume == "none":
-        if existing:
-            raise ConfigError(
-                f"{run_dir} already holds checkpoints (newest {existing[-1].name}); pass "
-                "--resume auto to continue that run, or set --log.out_dir to a new directory"
-            )
-        return None
-    if cfg.checkpoint.resume == "auto":
-        return existing[-1] if existing else None
-    return ckpt.resolve_resumable(cfg.checkpoint.resume)
 
 
 @dataclass(frozen=True)
@@ -237,7 +224,7 @@ class RunLength:
                  "eval every %d, samples every %d, checkpoints every %d (in %s)",
                  budget_s, step_s, f"{tok_s:,.0f}", step, costs.eval_s, costs.sample_s,
                  costs.checkpoint_s, p.max_steps, cap, p.estimated_s, p.eval_every,
-                 p.sample_every, p.checkpoint_every, self.run_dir / "config.toml")
+                 p.sample_every, p.checkpoint_every, RunDir(self.run_dir).config)
         if not p.fits:
             log.warning("time budget %g s: even %d steps (warmup + 1) need ~%.0f s; raise "
                         "train.time_budget_s or lower optim.warmup_steps", budget_s,
@@ -255,7 +242,7 @@ class Trainer:
         self.length = RunLength(cfg, info, self.run_dir)  # first: its clock covers the set-up
         self.model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.path).vocab_size)
         grad_accum_steps = self.derived.grad_accum_steps  # a batch that does not divide: error
-        resume_from = find_resume(cfg, self.run_dir)
+        resume_from = ckpt.find_resume(cfg.checkpoint.resume, self.run_dir)
         resume_meta = None if resume_from is None else ckpt.read_resumable(resume_from,
                                                                            self.model_cfg)
 
@@ -302,7 +289,7 @@ class Trainer:
         if self.info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.run_dir)
-            trim_metrics(self.run_dir / "metrics.jsonl", self.step)
+            trim_metrics(RunDir(self.run_dir).metrics, self.step)
         return MetricsLogger(self.run_dir, config_to_dict(cfg), cfg.log.wandb,
                              cfg.log.wandb_project, cfg.log.run_name, self.info.is_main)
 
@@ -396,7 +383,7 @@ class Trainer:
 
     def export_final(self) -> Path:
         state = ckpt.full_model_state(self.parallel.module)
-        out = self.run_dir / "final"
+        out = RunDir(self.run_dir).final
         if self.info.is_main:
             ckpt.save_consolidated(out, state, self.meta(with_loader=False),
                                    self.data.tokenizer_dir)
@@ -502,9 +489,9 @@ class Trainer:
             if final is None:  # resumed from the last step's checkpoint: export it
                 final = self.export_final()
             if self.info.is_main:
-                plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+                plot_losses(RunDir(self.run_dir).metrics, RunDir(self.run_dir).loss_plot)
                 log.info("done: %d steps; model %s; metrics %s", self.step, final,
-                         self.run_dir / "metrics.jsonl")
+                         RunDir(self.run_dir).metrics)
         self.metrics.close()
 
 

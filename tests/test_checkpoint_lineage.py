@@ -20,7 +20,8 @@ from pipeline import checkpoint as ckpt
 from pipeline.config import JobConfig, load_config
 from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo
-from pipeline.train import Trainer, find_resume
+from pipeline.run_dir import RunDir
+from pipeline.train import Trainer
 from tests.launch_utils import TINY_ARGS, losses, metrics
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -65,7 +66,7 @@ def rolled_back(tiny_data, tmp_path_factory):
 def test_rollback_moves_the_abandoned_branch_aside_and_keep_k_spares_the_new_line(rolled_back):
     run_dir = rolled_back
     assert step_names(run_dir) == ["step_00000003"]  # keep 1: the newest of the current line
-    (moved,) = (run_dir / "checkpoints" / ckpt.ABANDONED).iterdir()
+    (moved,) = RunDir(run_dir).abandoned.iterdir()
     assert sorted(p.name for p in moved.iterdir()) == ["final", "step_00000004"]  # never deleted
     assert ckpt.read_meta(moved / "step_00000004").step == 4
     b3 = ckpt.read_meta(run_dir / "checkpoints" / "step_00000003")
@@ -76,7 +77,7 @@ def test_rollback_moves_the_abandoned_branch_aside_and_keep_k_spares_the_new_lin
 def test_after_a_rollback_resume_eval_sample_export_pick_the_current_line(rolled_back, tiny_data,
                                                                           tmp_path, monkeypatch):
     run_dir = rolled_back
-    assert find_resume(cfg_for(tiny_data, run_dir, "--checkpoint.resume", "auto"), run_dir).name == "step_00000003"
+    assert ckpt.find_resume("auto", run_dir).name == "step_00000003"
     assert ckpt.resolve(run_dir).name == "final" and ckpt.load_for_inference(run_dir).step == 3
 
     from launch import evaluate, export, sample
@@ -102,8 +103,7 @@ def test_after_a_rollback_resume_eval_sample_export_pick_the_current_line(rolled
 def test_resume_from_an_export_is_one_clear_error(trained, tiny_data, tmp_path):
     run_dir = trained
     with pytest.raises(ckpt.CheckpointError, match="cannot be resumed"):
-        find_resume(cfg_for(tiny_data, tmp_path / "r2", "--checkpoint.resume", str(run_dir / "final")),
-                    tmp_path / "r2")
+        ckpt.find_resume(str(run_dir / "final"), tmp_path / "r2")
 
 
 # ---- weights before eval and samples -------------------------------------------------------------
@@ -229,20 +229,20 @@ def test_resuming_an_abandoned_branch_at_the_newest_step_moves_the_current_line_
     step2 = run_dir / "checkpoints" / "step_00000002"
     Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4", "--optim.lr", "1e-3",
                     "--checkpoint.resume", str(step2), *common), CPU).fit()
-    (a_moved,) = (run_dir / "checkpoints" / ckpt.ABANDONED).iterdir()
+    (a_moved,) = RunDir(run_dir).abandoned.iterdir()
     a_step4 = a_moved / "step_00000004"
     b_weights = ckpt.load_for_inference(run_dir / "final").model.state_dict()
 
     Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "6", "--checkpoint.resume", str(a_step4),
                     *common), CPU).fit()
-    moved = sorted((run_dir / "checkpoints" / ckpt.ABANDONED).iterdir())
+    moved = sorted(RunDir(run_dir).abandoned.iterdir())
     assert len(moved) == 2
     b_moved = next(m for m in moved if m != a_moved)
     assert sorted(p.name for p in b_moved.iterdir()) == ["final", "step_00000004"]
     kept = ckpt.load_for_inference(b_moved / "final").model.state_dict()
     assert all(torch.equal(kept[k], b_weights[k]) for k in b_weights)  # B's export, untouched
     assert step_names(run_dir) == ["step_00000002", "step_00000006"]
-    newest = find_resume(cfg_for(tiny_data, run_dir, "--checkpoint.resume", "auto"), run_dir)
+    newest = ckpt.find_resume("auto", run_dir)
     final = ckpt.load_for_inference(run_dir).model.state_dict()
     resumable = ckpt.load_for_inference(newest).model.state_dict()
     assert newest.name == "step_00000006" and all(torch.equal(final[k], resumable[k]) for k in final)
