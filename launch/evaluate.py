@@ -27,10 +27,11 @@ from pipeline.config import ConfigError
 from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo, distributed
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
+from pipeline.hardware import dtype_name
 from pipeline.parallelize import Precision
 from pipeline.typed_config import number
 
-MAX_BATCH = 1 << 16  # windows per forward; eval pads every batch to this many rows
+MAX_BATCH = 1 << 16  # windows per forward (fewer when the split has fewer per rank)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write the results to FILE as JSON")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="compute dtype (auto: bf16 where the hardware is fast at it, as training)")
+    p.add_argument("--dtype", default=None, choices=["auto", "bf16", "fp32"],
+                   help="compute dtype (default: the run's train.dtype, so the loss is the one "
+                        "training logged; auto: bf16 where the hardware is fast at it)")
     return p
 
 
@@ -79,9 +81,9 @@ def run_setting(flag: str, override: int | None, from_run: int) -> int:
 def evaluate_checkpoint(
     ckpt: LoadedCheckpoint, data_dir: Path, info: DistInfo, *, split: str = "val",
     max_tokens: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
-    dtype: str = "auto",
-) -> tuple[EvalResult, int]:
-    """(result, seq_len used): collective under torchrun, every rank calls it."""
+    dtype: str | None = None,
+) -> tuple[EvalResult, int, torch.dtype]:
+    """(result, seq_len and dtype used): collective under torchrun, every rank calls it."""
     check_same_tokenizer(data_dir, ckpt.tokenizer_dir)
     run_cfg = ckpt.meta.config
     seq_len = run_setting("--seq-len", seq_len, run_cfg.data.seq_len)
@@ -94,8 +96,9 @@ def evaluate_checkpoint(
     windows = TokenWindows(data_dir, split, seq_len, ckpt.config.vocab_size)
     batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
-    precision = Precision.resolve(dtype, info.device)
-    return evaluate(ckpt.model, batches, token_bytes, info, precision=precision), seq_len
+    precision = Precision.resolve(run_cfg.train.dtype if dtype is None else dtype, info.device)
+    result = evaluate(ckpt.model, batches, token_bytes, info, precision=precision)
+    return result, seq_len, precision.dtype
 
 
 def report(result: EvalResult) -> str:
@@ -111,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
-        result, seq_len = evaluate_checkpoint(
+        result, seq_len, dtype = evaluate_checkpoint(
             ckpt, args.data, info, split=args.split, max_tokens=args.max_tokens,
             batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype)
     if not info.is_main:
         return 0
     print(f"checkpoint     {ckpt.path} (step {ckpt.step})")
     print(f"data           {args.data} [{args.split}], windows of {seq_len} tokens")
+    asked = (f"--dtype {args.dtype}" if args.dtype else
+             f"the run's train.dtype = {ckpt.meta.config.train.dtype}")
+    print(f"dtype          {dtype_name(dtype)} ({asked})")
     print(report(result))
     if args.json:
         record = result.to_dict() | {"checkpoint": str(ckpt.path), "step": ckpt.step,
