@@ -31,6 +31,9 @@ from pipeline.hardware import dtype_name
 from pipeline.parallelize import Precision
 from pipeline.typed_config import number
 
+FSDP_BF16_REL_TOL = 5e-4
+"""How far a bf16 FSDP run's logged val loss may lie from this eval's: the norm gains rounded to
+bf16 (2**-9 relative at most) move the loss by far less (tests/test_eval_matches_training.py)."""
 MAX_BATCH = 1 << 16  # windows per forward (fewer when the split has fewer per rank)
 
 
@@ -101,6 +104,20 @@ def evaluate_checkpoint(
     return result, seq_len, precision.dtype
 
 
+def dtype_line(ckpt: LoadedCheckpoint, dtype: torch.dtype, requested: str | None) -> str:
+    """Which dtype this eval computed in and why; under FSDP with bf16, why training's logged
+    val loss is not reproduced exactly."""
+    run = ckpt.meta.config.train
+    line = f"dtype          {dtype_name(dtype)} ("
+    line += f"--dtype {requested})" if requested else f"the run's train.dtype = {run.dtype})"
+    if dtype == torch.bfloat16 and run.parallel == "fsdp" and ckpt.meta.world_size > 1:
+        # FSDP's MixedPrecisionPolicy hands the forward bf16 copies of every parameter (the
+        # norm gains too); autocast, used here, keeps the gains fp32.
+        line += ("; the run evaluated under FSDP with bf16 parameters: its logged val loss "
+                 f"agrees with this to {FSDP_BF16_REL_TOL:g} relative, not exactly")
+    return line
+
+
 def report(result: EvalResult) -> str:
     return "\n".join([
         f"loss           {result.loss:.6f}",
@@ -121,13 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"checkpoint     {ckpt.path} (step {ckpt.step})")
     print(f"data           {args.data} [{args.split}], windows of {seq_len} tokens")
-    asked = (f"--dtype {args.dtype}" if args.dtype else
-             f"the run's train.dtype = {ckpt.meta.config.train.dtype}")
-    print(f"dtype          {dtype_name(dtype)} ({asked})")
+    print(dtype_line(ckpt, dtype, args.dtype))
     print(report(result))
     if args.json:
         record = result.to_dict() | {"checkpoint": str(ckpt.path), "step": ckpt.step,
-                                     "data": str(args.data), "split": args.split, "seq_len": seq_len}
+                                     "data": str(args.data), "split": args.split,
+                                     "seq_len": seq_len, "dtype": dtype_name(dtype)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
     return 0
