@@ -9,7 +9,6 @@ completed optimizer steps: step s's loss is the loss of the s-th update.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from pipeline.data import TokenWindows, TrainLoader
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.evaluate import eval_batches, evaluate
 from pipeline.hardware import dtype_name, matmul_peak, peak_flops, to_device
-from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses
+from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
 from pipeline.optim import apply_schedule, build_optimizer
 from pipeline.parallelize import (
     ParallelModel,
@@ -160,15 +159,6 @@ def due(step: int, every: int, last: bool) -> bool:
     return last or (every > 0 and step % every == 0)
 
 
-def trim_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop the records a crashed run wrote after the checkpoint it resumes from."""
-    if not path.is_file():
-        return
-    kept = [ln for ln in path.read_text().splitlines()
-            if json.loads(ln).get("step", 0) <= last_step]
-    path.write_text("".join(ln + "\n" for ln in kept))
-
-
 # --------------------------------------------------------------------------------------------
 # Time budget (pipeline/budget.py)
 
@@ -261,7 +251,7 @@ class Trainer:
         if resume_meta is not None:
             self._resume(resume_from, resume_meta)
 
-        self.metrics = self._open_run_dir()
+        self.metrics = self._open_run_dir(resume_from)
         self.peak = peak_flops(info.device, self.precision.dtype)  # the dtype matmuls run in
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
         self.recompiles = RecompileWatch()
@@ -279,17 +269,18 @@ class Trainer:
         self.step, self.bad_steps = meta.step, meta.bad_steps
         self.lineage, self.parent_step = meta.lineage, meta.step
         self.length.keep_fixed(meta.config)
-        if self.info.is_main:  # a rollback: the newer checkpoints leave the current line
-            ckpt.abandon_newer(self.run_dir, self.step, where)
         log.info("resumed from %s at step %d (written by %d ranks)", where, self.step,
                  meta.world_size)
 
-    def _open_run_dir(self) -> MetricsLogger:
+    def _open_run_dir(self, resumed_from: Path | None) -> MetricsLogger:
         cfg = self.cfg
         if self.info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.run_dir)
             trim_metrics(RunDir(self.run_dir).metrics, self.step)
+            # Last: checkpoints move only once the resume has passed every check.
+            if resumed_from is not None:  # newer checkpoints (a rollback) leave the line
+                ckpt.abandon_newer(self.run_dir, self.step, resumed_from)
         return MetricsLogger(self.run_dir, config_to_dict(cfg), cfg.log.wandb,
                              cfg.log.wandb_project, cfg.log.run_name, self.info.is_main)
 
