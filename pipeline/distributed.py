@@ -97,3 +97,10 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.is_distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Elementwise maximum of a tensor across ranks in place (no-op on one process)."""
+    if info.is_distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
