@@ -1,4 +1,4 @@
-"""One writer per run directory: RUN/lock names the process training into it.
+"""One writer per run directory: RUN/lock (pipeline.run_dir) names the process training into it.
 
 A second `lmforge train` into a run directory whose writer still runs is refused in one line:
 two writers would interleave metrics.jsonl and delete each other's checkpoints by keep-K (a
@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.metrics import get_logger
+from pipeline.run_dir import RunDir
 from pipeline.typed_config import ConfigError
-
-LOCK_NAME = "lock"
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -97,12 +96,13 @@ def _refusal(path: Path, holder: Holder | None, running: bool | None) -> ConfigE
 def check_unlocked(run_dir: Path) -> None:
     """ConfigError when a live run holds run_dir's lock (what a launcher checks before it starts
     workers; the lock itself is taken by rank 0)."""
-    found = _read(run_dir / LOCK_NAME)
+    path = RunDir(run_dir).lock
+    found = _read(path)
     if found is not None:
         holder = found[1]
         running = None if holder is None else holder.running()
         if running is not False:
-            raise _refusal(run_dir / LOCK_NAME, holder, running)
+            raise _refusal(path, holder, running)
 
 
 def _break_stale(path: Path, stale: bytes) -> None:
@@ -154,7 +154,7 @@ def run_lock(run_dir: Path, take: bool = True) -> Iterator[None]:
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    path, me = run_dir / LOCK_NAME, Holder.this_process()
+    path, me = RunDir(run_dir).lock, Holder.this_process()
     _acquire(path, me)
     try:
         yield

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import checkpoint as ckpt
-from pipeline.runlock import LOCK_NAME
+from pipeline.run_dir import RunDir
 from tests.launch_utils import TINY_ARGS, children, kill_group, run, start, wait_for_step
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
@@ -51,7 +51,7 @@ def test_a_second_writer_is_refused_and_a_dead_writers_lock_taken_over(tiny_data
     first = start(lmforge_train(*args_for(tiny_data, run_dir, *LONG, "--checkpoint.every", "0")))
     try:
         wait_for_step(first, run_dir, 1)
-        holder = json.loads((run_dir / LOCK_NAME).read_text())
+        holder = json.loads((RunDir(run_dir).lock).read_text())
         assert holder["pid"] == first.pid
         for nproc in ("1", "2"):  # the trainer's own refusal, and the launcher's before torchrun
             res = run(lmforge_train("--nproc", nproc, *args_for(tiny_data, run_dir, "--resume",
@@ -61,22 +61,22 @@ def test_a_second_writer_is_refused_and_a_dead_writers_lock_taken_over(tiny_data
     finally:
         kill_group(first)  # SIGKILL: the lock stays behind, naming a process that is gone
         first.communicate()
-    assert (run_dir / LOCK_NAME).is_file()
+    assert (RunDir(run_dir).lock).is_file()
     res = run(lmforge_train(*args_for(tiny_data, run_dir, "--train.max_steps", "2",
                                       "--resume", "auto")), timeout=120)
     assert res.returncode == 0, res.stdout[-3000:]
     assert f"taking over the lock of pid {first.pid}" in res.stdout
-    assert not (run_dir / LOCK_NAME).exists()  # released at the end
+    assert not (RunDir(run_dir).lock).exists()  # released at the end
 
 
 def test_a_lock_from_another_host_is_refused_with_the_file_to_delete(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / LOCK_NAME).write_text(json.dumps(
+    (RunDir(run_dir).lock).write_text(json.dumps(
         {"host": "elsewhere.invalid", "pid": os.getpid(), "start_ticks": None, "since": "then"}))
     line = one_error_line(run(lmforge_train(*args_for(tiny_data, run_dir)), timeout=120))
-    assert "another host" in line and f"delete {run_dir / LOCK_NAME}" in line, line
-    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]  # nothing written
+    assert "another host" in line and f"delete {RunDir(run_dir).lock}" in line, line
+    assert sorted(p.name for p in run_dir.iterdir()) == [RunDir(run_dir).lock.name]  # nothing written
 
 
 @pytest.mark.dist
@@ -108,4 +108,4 @@ def test_killing_the_launchers_group_stops_its_workers(tiny_data, tmp_path):
     assert "stop requested (SIGTERM): checkpoint saved at step" in out, out[-3000:]
     stopped_at = int(out.split("checkpoint saved at step ")[1].split(",")[0])
     assert ckpt.read_meta(ckpt.list_complete(run_dir / "checkpoints")[-1]).step == stopped_at
-    assert not (run_dir / LOCK_NAME).exists()
+    assert not (RunDir(run_dir).lock).exists()
