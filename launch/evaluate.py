@@ -5,8 +5,9 @@
 
 The windows are `pipeline.evaluate.eval_batches` (every target token counted once, tail
 included) and the arithmetic is `pipeline.evaluate.evaluate`, both shared with training's val
-eval: with the run's seq_len, batch size and `--max-tokens` = its `eval.tokens`, the perplexity
-printed here is exp(val_loss) that training logged for the same checkpoint.
+eval: with the run's seq_len, batch size, dtype and `--max-tokens` = its `eval.tokens`, the
+perplexity printed here is exp(val_loss) that training logged for the same checkpoint (exactly
+on as many processes; under FSDP with bf16 within FSDP_BF16_REL_TOL, see dtype_line).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 The trainer times its first config.CALIBRATION_STEPS steps, each on its own (never the set-up
 before it, nor the hooks after it; a process's first step is excluded where another follows it
 in time: it pays for allocation, warm-up and compilation), measures what one eval batch and one
-round of samples cost, and then
-fixes, once, the largest number of steps (at most train.max_steps) whose steps, periodic evals,
-samples and checkpoints and the final export fit the budget. The eval/sample/checkpoint/log
+round of samples cost (on several ranks: the slowest rank's), and then fixes, once, the largest
+number of steps (at most train.max_steps) whose steps, periodic evals, samples and checkpoints
+and the final export fit the budget. The eval/sample/checkpoint/log
 intervals shrink in proportion, so a shortened run still evaluates as often as its preset.
 
 This happens inside the LR warmup, where the schedule does not depend on max_steps yet: the run is
