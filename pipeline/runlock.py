@@ -74,9 +74,10 @@ def _read(path: Path) -> tuple[bytes, Holder | None] | None:
     except FileNotFoundError:
         return None
     try:
-        return raw, Holder(**json.loads(raw))
+        holder = Holder(**json.loads(raw))
     except (ValueError, TypeError):
         return raw, None
+    return raw, holder if isinstance(holder.host, str) and isinstance(holder.pid, int) else None
 
 
 def _refusal(path: Path, holder: Holder | None, running: bool | None) -> ConfigError:
@@ -107,7 +108,7 @@ def check_unlocked(run_dir: Path) -> None:
 
 def _break_stale(path: Path, stale: bytes) -> None:
     """Remove a stale lock unless another start replaced it meanwhile."""
-    aside = path.with_name(f"{path.name}.stale.{os.getpid()}")
+    aside = path.with_name(f"{path.name}.stale.{socket.gethostname()}.{os.getpid()}")
     try:
         os.rename(path, aside)
     except FileNotFoundError:
@@ -121,7 +122,7 @@ def _break_stale(path: Path, stale: bytes) -> None:
 
 
 def _acquire(path: Path, me: Holder) -> None:
-    staged = path.with_name(f"{path.name}.{me.pid}.tmp")
+    staged = path.with_name(f"{path.name}.{me.host}.{me.pid}.tmp")
     staged.write_bytes(me.to_bytes())
     try:
         for _ in range(3):

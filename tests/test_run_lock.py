@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from pipeline import checkpoint as ckpt
+from pipeline.config import ConfigError
 from pipeline.run_dir import RunDir
+from pipeline.runlock import Holder, run_lock
 from tests.launch_utils import TINY_ARGS, children, kill_group, run, start, wait_for_step
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
@@ -77,6 +79,26 @@ def test_a_lock_from_another_host_is_refused_with_the_file_to_delete(tiny_data, 
     line = one_error_line(run(lmforge_train(*args_for(tiny_data, run_dir)), timeout=120))
     assert "another host" in line and f"delete {RunDir(run_dir).lock}" in line, line
     assert sorted(p.name for p in run_dir.iterdir()) == [RunDir(run_dir).lock.name]  # nothing written
+
+
+def test_the_lock_is_held_for_the_body_and_told_from_a_reused_pid(tmp_path):
+    lock = RunDir(tmp_path).lock
+    with run_lock(tmp_path):
+        assert Holder(**json.loads(lock.read_text())).pid == os.getpid()
+        with pytest.raises(ConfigError, match="is being written by another run"), run_lock(tmp_path):
+            pass
+        with run_lock(tmp_path, take=False):  # every rank but rank 0
+            pass
+    assert not lock.exists()
+    # This pid, but a process that started at another time: the pid was reused, the holder is gone.
+    me = Holder.this_process()
+    lock.write_bytes(Holder(me.host, me.pid, (me.start_ticks or 0) + 1, "then").to_bytes())
+    with run_lock(tmp_path):
+        holder = Holder(**json.loads(lock.read_text()))
+        assert (holder.pid, holder.start_ticks) == (me.pid, me.start_ticks)
+    lock.write_text("not json")
+    with pytest.raises(ConfigError, match="not a lock lmforge wrote"), run_lock(tmp_path):
+        pass
 
 
 @pytest.mark.dist
