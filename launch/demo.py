@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     banner(3, "evaluate on the whole val split")
     info = init_distributed("auto")
     ckpt = load_for_inference(run, info.device)
-    result, _ = evaluate_checkpoint(ckpt, data, info)
+    result, _, _ = evaluate_checkpoint(ckpt, data, info)
     print(report(result))
 
     banner(4, f"sample from {ckpt.path}")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from launch.cli import ArgumentParser
 from pipeline import hardware
-from pipeline.parallelize import resolve_compile
+from pipeline.parallelize import cpu_compile_threshold_s, resolve_compile
 
 PACKAGES = ("numpy", "transformers", "datasets", "tiktoken", "safetensors", "accelerate", "wandb")
 
@@ -73,6 +73,22 @@ def cpu() -> dict:
     }
 
 
+def compile_rule(device: torch.device) -> dict:
+    """What train.compile = auto decides on `device` (pipeline.parallelize.resolve_compile): on
+    CUDA always; on CPU it depends on the run's estimated eager time, so the thresholds."""
+    if device.type != "cpu":
+        on = resolve_compile("auto", device)
+        return {"rule": f"{'on' if on else 'off'} on {device.type} (whatever the run)",
+                "threshold_s": None}
+    threshold_s = {"loss_in_graph": cpu_compile_threshold_s(True),
+                   "chunked_loss": cpu_compile_threshold_s(False)}
+    minutes = {k: f"{v / 60:.0f} min" for k, v in threshold_s.items()}
+    return {"rule": f"on {device.type} when the run's estimated eager time reaches "
+                    f"{minutes['loss_in_graph']} (loss in the compiled graph) or "
+                    f"{minutes['chunked_loss']} (chunked loss), else off (logged by each run)",
+            "threshold_s": threshold_s}
+
+
 def auto_choices(device: torch.device) -> dict:
     dtype, why = hardware.auto_dtype(device)
     peaks = {}
@@ -82,7 +98,7 @@ def auto_choices(device: torch.device) -> dict:
     return {
         "device": str(device),
         "dtype": hardware.dtype_name(dtype), "dtype_why": why,
-        "compile": resolve_compile("auto", device),
+        "compile": compile_rule(device),
         "matmul_peak_gflops": peaks,
     }
 
@@ -126,7 +142,7 @@ def render(info: dict) -> str:
         f"AMX {_yes(c['amx'])})",
         f"cpu bf16     {'native' if c['bf16_native'] else 'emulated'} ({c['bf16_evidence']})",
         f"auto dtype   {a['dtype']} on {a['device']}: {a['dtype_why']}",
-        f"auto compile {'on' if a['compile'] else 'off'} on {a['device']}",
+        f"auto compile {a['compile']['rule']}",
         "matmul peak  " + ", ".join(
             f"{k} {'unknown' if v is None else f'{v:,.1f} GFLOP/s'}"
             for k, v in a["matmul_peak_gflops"].items()) + f" on {a['device']}",

@@ -5,8 +5,9 @@
 
 The windows are `pipeline.evaluate.eval_batches` (every target token counted once, tail
 included) and the arithmetic is `pipeline.evaluate.evaluate`, both shared with training's val
-eval: with the run's seq_len, batch size and `--max-tokens` = its `eval.tokens`, the perplexity
-printed here is exp(val_loss) that training logged for the same checkpoint.
+eval: with the run's seq_len, batch size, dtype and `--max-tokens` = its `eval.tokens`, the
+perplexity printed here is exp(val_loss) that training logged for the same checkpoint (exactly
+on as many processes; under FSDP with bf16 within FSDP_BF16_REL_TOL, see dtype_line).
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ from pipeline.config import ConfigError
 from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo, distributed
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
+from pipeline.hardware import dtype_name
 from pipeline.parallelize import Precision
 from pipeline.typed_config import number
 
-MAX_BATCH = 1 << 16  # windows per forward; eval pads every batch to this many rows
+FSDP_BF16_REL_TOL = 5e-4
+"""How far a bf16 FSDP run's logged val loss may lie from this eval's: the norm gains rounded to
+bf16 (2**-9 relative at most) move the loss by far less (tests/test_eval_matches_training.py)."""
+MAX_BATCH = 1 << 16  # windows per forward (fewer when the split has fewer per rank)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write the results to FILE as JSON")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="compute dtype (auto: bf16 where the hardware is fast at it, as training)")
+    p.add_argument("--dtype", default=None, choices=["auto", "bf16", "fp32"],
+                   help="compute dtype (default: the run's train.dtype, so the loss is the one "
+                        "training logged; auto: bf16 where the hardware is fast at it)")
     return p
 
 
@@ -79,9 +85,9 @@ def run_setting(flag: str, override: int | None, from_run: int) -> int:
 def evaluate_checkpoint(
     ckpt: LoadedCheckpoint, data_dir: Path, info: DistInfo, *, split: str = "val",
     max_tokens: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
-    dtype: str = "auto",
-) -> tuple[EvalResult, int]:
-    """(result, seq_len used): collective under torchrun, every rank calls it."""
+    dtype: str | None = None,
+) -> tuple[EvalResult, int, torch.dtype]:
+    """(result, seq_len and dtype used): collective under torchrun, every rank calls it."""
     check_same_tokenizer(data_dir, ckpt.tokenizer_dir)
     run_cfg = ckpt.meta.config
     seq_len = run_setting("--seq-len", seq_len, run_cfg.data.seq_len)
@@ -94,8 +100,23 @@ def evaluate_checkpoint(
     windows = TokenWindows(data_dir, split, seq_len, ckpt.config.vocab_size)
     batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
-    precision = Precision.resolve(dtype, info.device)
-    return evaluate(ckpt.model, batches, token_bytes, info, precision=precision), seq_len
+    precision = Precision.resolve(run_cfg.train.dtype if dtype is None else dtype, info.device)
+    result = evaluate(ckpt.model, batches, token_bytes, info, precision=precision)
+    return result, seq_len, precision.dtype
+
+
+def dtype_line(ckpt: LoadedCheckpoint, dtype: torch.dtype, requested: str | None) -> str:
+    """Which dtype this eval computed in and why; under FSDP with bf16, why training's logged
+    val loss is not reproduced exactly."""
+    run = ckpt.meta.config.train
+    line = f"dtype          {dtype_name(dtype)} ("
+    line += f"--dtype {requested})" if requested else f"the run's train.dtype = {run.dtype})"
+    if dtype == torch.bfloat16 and run.parallel == "fsdp" and ckpt.meta.world_size > 1:
+        # FSDP's MixedPrecisionPolicy hands the forward bf16 copies of every parameter (the
+        # norm gains too); autocast, used here, keeps the gains fp32.
+        line += ("; the run evaluated under FSDP with bf16 parameters: its logged val loss "
+                 f"agrees with this to {FSDP_BF16_REL_TOL:g} relative, not exactly")
+    return line
 
 
 def report(result: EvalResult) -> str:
@@ -111,17 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
-        result, seq_len = evaluate_checkpoint(
+        result, seq_len, dtype = evaluate_checkpoint(
             ckpt, args.data, info, split=args.split, max_tokens=args.max_tokens,
             batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype)
     if not info.is_main:
         return 0
     print(f"checkpoint     {ckpt.path} (step {ckpt.step})")
     print(f"data           {args.data} [{args.split}], windows of {seq_len} tokens")
+    print(dtype_line(ckpt, dtype, args.dtype))
     print(report(result))
     if args.json:
         record = result.to_dict() | {"checkpoint": str(ckpt.path), "step": ckpt.step,
-                                     "data": str(args.data), "split": args.split, "seq_len": seq_len}
+                                     "data": str(args.data), "split": args.split,
+                                     "seq_len": seq_len, "dtype": dtype_name(dtype)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
     return 0

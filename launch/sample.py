@@ -25,10 +25,11 @@ import torch
 from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir
 from launch.cli import ArgumentParser
 from model import SamplingError, SamplingParams, stream
+from model.generate import MIN_TEMPERATURE
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.distributed import pick_device
-from pipeline.hardware import resolve_dtype
+from pipeline.hardware import dtype_name, resolve_dtype
 from pipeline.parallelize import Precision
 
 
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="at most this many tokens per sample (clamped to the model's context)")
     p.add_argument("--temperature", type=float, default=SamplingParams.temperature,
-                   help="0 = greedy")
+                   help=f"0 = greedy; so is any temperature below {MIN_TEMPERATURE:.3g} "
+                        "(said on stderr)")
     p.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0 = no top-k filter")
     p.add_argument("--top-p", type=float, default=SamplingParams.top_p,
                    help="nucleus sampling threshold in (0, 1] (default: off)")
@@ -66,11 +68,14 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                                   top_p=args.top_p, seed=args.seed)
         if args.seed is not None:  # sample i uses seed + i: the last one must be a seed too
             replace(sampling, seed=args.seed + args.num_samples - 1)
-        return sampling
     except SamplingError as e:  # each field has the name of its option's argparse dest
         option, value = "--" + e.field.replace("_", "-"), getattr(args, e.field)
         note = "; sample i uses seed + i" if e.field == "seed" else ""
         raise ConfigError(f"bad value for {option}: {value!r} (expected {e.expected}{note})") from None
+    if sampling.greedy and sampling.temperature > 0:
+        print(f"note: --temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:.3g}: "
+              "sampling greedily (the limit of ever colder sampling)", file=sys.stderr)
+    return sampling
 
 
 def fit_to_context(sampling: SamplingParams, prompt_len: int, context: int) -> SamplingParams:
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = encode_prompt(enc, prompt)
     sampling = fit_to_context(sampling, len(ids), ckpt.config.max_seq_len)
     dtype = resolve_dtype(args.dtype, device)  # after every check: a mistake costs no probe
+    print(f"note: computing in {dtype_name(dtype)} on {device} (--dtype {args.dtype})",
+          file=sys.stderr)
     seed = random.randrange(2**31) if args.seed is None else args.seed
     if args.seed is None:
         print(f"note: seed {seed} (pass --seed {seed} to repeat)", file=sys.stderr)

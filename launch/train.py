@@ -7,7 +7,8 @@
 
 `--dry-run` prints the resolved config, the derived sizes and the plan (pipeline/plan.py) and
 starts nothing. SIGTERM (a scheduler's preemption) makes the trainer checkpoint at the end of the
-current step and exit.
+current step and exit; so does the death of torchrun, a worker's parent. One run at a time
+writes a run directory (pipeline/runlock.py): another one is refused.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from launch.cli import ArgumentParser
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
-from pipeline.distributed import DistInfo, distributed
+from pipeline.distributed import DistInfo, distributed, stop_with_launcher
 from pipeline.metrics import get_logger, setup_logging
 from pipeline.plan import meta_model
 from pipeline.plan import report as plan_report
+from pipeline.runlock import check_unlocked, run_lock
 from pipeline.train import Trainer, TrainingStopped, model_config_for
 from pipeline.typed_config import keys_help, number
 
@@ -95,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     if (args.nproc or 1) != 1 or args.nnodes != 1:
         raise ConfigError("--nproc/--nnodes plan a --dry-run here; to train on N processes run "
                           "`lmforge train --nproc N` or torchrun")
-    with distributed(cfg.train.device) as info:
-        setup_logging(info.rank, Path(cfg.log.out_dir) if info.is_main else None)
+    stop_with_launcher()  # a killed torchrun must not leave its workers training
+    out_dir = Path(cfg.log.out_dir)
+    with distributed(cfg.train.device) as info, run_lock(out_dir, take=info.is_main):
+        setup_logging(info.rank, out_dir if info.is_main else None)
         return fit(cfg, info)
 
 
@@ -118,8 +122,11 @@ def cli_main(argv: list[str]) -> int:
     parsed, overrides = parse_args(argv)
     if (parsed.nproc or 1) <= 1 or parsed.dry_run:  # a dry run plans --nproc, it starts nothing
         return main(argv)
-    # Config and data mistakes: one line here, not one per rank under a torchrun traceback.
-    load_manifest(load_config(parsed.config, overrides).data.path)
+    # Config and data mistakes and a run directory in use: one line here, not one per rank
+    # under a torchrun traceback.
+    cfg = load_config(parsed.config, overrides)
+    load_manifest(cfg.data.path)
+    check_unlocked(Path(cfg.log.out_dir))
     rest = _without_nproc(argv)
     torchrun = shutil.which("torchrun")
     prefix = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]

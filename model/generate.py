@@ -152,6 +152,11 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+"""The smallest temperature sampled from (fp32's smallest normal number): below it the logits
+would be divided by a subnormal fp32 or by 0; sampling that cold is greedy anyway."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How new tokens are drawn: the one definition of the sampling defaults and ranges, used by
@@ -162,7 +167,8 @@ class SamplingParams:
 
     max_new_tokens: int
     temperature: float = 0.8
-    """0 = greedy (the filters and the seed then do not matter)."""
+    """0 = greedy (the filters and the seed then do not matter), as is any temperature below
+    MIN_TEMPERATURE: greedy is the limit sampling approaches as the temperature falls."""
     top_k: int = 50
     """Sample among the k most likely tokens; 0 = no top-k filter."""
     top_p: float | None = None
@@ -186,6 +192,10 @@ class SamplingParams:
             if not ok:
                 raise SamplingError(name, getattr(self, name), expected)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
     def fit(self, prompt_len: int, max_seq_len: int) -> SamplingParams:
         """These params with max_new_tokens cut to the room a prompt of prompt_len tokens leaves
         in the model's context; ValueError (naming the fix) when it leaves none."""
@@ -202,9 +212,12 @@ def sample(
     logits_BV: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """One token per row, drawn as `sampling` says (greedy when its temperature is 0)."""
-    if sampling.temperature == 0:
+    if sampling.greedy:
         return logits_BV.argmax(dim=-1)
-    logits_BV = logits_BV.float() / sampling.temperature
+    # Shifted so the largest logit is 0 before dividing: a tiny temperature then sends the
+    # others to -inf (probability 0), never the largest to inf (inf - inf = NaN in softmax).
+    logits_BV = logits_BV.float()
+    logits_BV = (logits_BV - logits_BV.amax(dim=-1, keepdim=True)) / sampling.temperature
     if sampling.top_k:
         k = min(sampling.top_k, logits_BV.shape[-1])
         kth_B1 = torch.topk(logits_BV, k, dim=-1).values[:, -1:]

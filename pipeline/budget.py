@@ -1,9 +1,11 @@
 """Size a run to a wall-clock budget (`train.time_budget_s`): how `lmforge demo` fits any machine.
 
-The trainer times its first config.CALIBRATION_STEPS steps (the first excluded: it pays for allocation,
-warm-up and compilation), measures what one eval batch and one round of samples cost, and then
-fixes, once, the largest number of steps (at most train.max_steps) whose steps, periodic evals,
-samples and checkpoints and the final export fit the budget. The eval/sample/checkpoint/log
+The trainer times its first config.CALIBRATION_STEPS steps, each on its own (never the set-up
+before it, nor the hooks after it; a process's first step is excluded where another follows it
+in time: it pays for allocation, warm-up and compilation), measures what one eval batch and one
+round of samples cost (on several ranks: the slowest rank's), and then fixes, once, the largest
+number of steps (at most train.max_steps) whose steps, periodic evals, samples and checkpoints
+and the final export fit the budget. The eval/sample/checkpoint/log
 intervals shrink in proportion, so a shortened run still evaluates as often as its preset.
 
 This happens inside the LR warmup, where the schedule does not depend on max_steps yet: the run is
@@ -18,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from pipeline.config import JobConfig
+from pipeline.config import CALIBRATION_STEPS, JobConfig
 
 SAFETY = 0.9
 """Fraction of the remaining time planned for: step times drift (thermal, a shared machine)."""
@@ -110,21 +112,28 @@ def plan(cfg: JobConfig, elapsed_s: float, done: int, step_s: float, costs: Hook
 
 
 class TimeBudget:
-    """Step-completion times since the trainer started, and the plan made from them."""
+    """The time since the trainer started and the durations of the steps this process ran."""
 
     def __init__(self, budget_s: float):
         self.budget_s = budget_s
         self.start = now()
-        self.step_ends: list[float] = []
+        self.durations: list[float] = []
 
-    def step_done(self) -> None:
-        self.step_ends.append(now())
+    def step_done(self, seconds: float) -> None:
+        """One step's own duration, timed around the step alone."""
+        self.durations.append(seconds)
+
+    def ready(self, step: int, warmup_steps: int) -> bool:
+        """Whether to plan after `step`: once CALIBRATION_STEPS are done and this process has
+        timed a step after its first (a resumed run may have run one only), and at the latest
+        at the warmup's last step, the last one whose lr does not depend on max_steps."""
+        return step >= CALIBRATION_STEPS and (len(self.durations) > 1 or step >= warmup_steps)
 
     def elapsed(self) -> float:
         return now() - self.start
 
     def step_seconds(self) -> float:
-        """Median duration of the steps timed in this process after its first one."""
-        ends = self.step_ends
-        durations = sorted(b - a for a, b in zip(ends, ends[1:])) or [ends[0] - self.start]
+        """Median duration of this process's steps after its first, or of its first alone when
+        it is the only one."""
+        durations = sorted(self.durations[1:] or self.durations)
         return durations[len(durations) // 2]

@@ -5,12 +5,19 @@ several) and `accelerate launch` (which starts the workers through torchrun's ma
 the same RANK / WORLD_SIZE / LOCAL_RANK variables).
 
 LMFORGE_DIST_TIMEOUT_MIN (default 30) bounds how long a collective may wait for a rank.
+
+torchrun starts each worker in a session of its own, so a SIGKILL of the launcher's process
+group (a scheduler, the OOM killer, `kill -9`) does not reach them: `stop_with_launcher` makes
+its death a SIGTERM to the worker (Linux), which then stops as on preemption.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +43,22 @@ class DistInfo:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def stop_with_launcher() -> bool:
+    """In a torchrun (or accelerate) worker on Linux: SIGTERM this process when its parent, the
+    launcher's agent, dies. Returns whether that is armed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return False
+    if os.getppid() == 1:  # the launcher died before the call, and this process went to init
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -96,4 +119,11 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum a tensor across ranks in place (no-op on one process) and return it."""
     if info.is_distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Elementwise maximum of a tensor across ranks in place (no-op on one process)."""
+    if info.is_distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t

@@ -92,8 +92,10 @@ def eval_batches(
     Window j predicts stream tokens jT+1 .. min(jT+T, M) from the T tokens before each, so the
     windows tile the M = min(max_tokens, tokens - 1) targets exactly; the last may be shorter.
     Window j goes to rank j % world_size: the union over ranks is the same whatever the world
-    size. Every rank gets the same number of batches (FSDP runs each forward on every rank);
-    short rows and missing rows are padded with IGNORE_INDEX targets, which `evaluate` skips.
+    size. Every rank gets the same number of batches of the same shape (FSDP runs each forward
+    on every rank), of at most `batch_size` rows and never more rows than the most windows any
+    rank has; short rows and missing rows are padded with IGNORE_INDEX targets, which
+    `evaluate` skips.
     """
     T = windows.seq_len
     M = windows.num_tokens - 1 if max_tokens is None else min(max_tokens, windows.num_tokens - 1)
@@ -101,8 +103,10 @@ def eval_batches(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     n = _ceil_div(M, T)
     mine = range(rank, n, world_size)
-    num_batches = _ceil_div(_ceil_div(n, world_size), batch_size)  # the most any rank needs
-    x_NT = torch.zeros(num_batches * batch_size, T, dtype=torch.int64)
+    most = _ceil_div(n, world_size)  # the most windows any rank has
+    # A batch size above that would only add padding rows, computed and thrown away.
+    batch_size = min(batch_size, most)
+    x_NT = torch.zeros(_ceil_div(most, batch_size) * batch_size, T, dtype=torch.int64)
     y_NT = torch.full_like(x_NT, IGNORE_INDEX)
     for row, j in enumerate(mine):
         tokens = torch.from_numpy(windows.tokens(j * T, min(j * T + T, M) + 1))

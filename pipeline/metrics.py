@@ -2,7 +2,7 @@
 
 - `setup_logging` / `get_logger`: the "lmforge" logger (stderr, plus run_dir/train.log on rank 0).
 - `MetricsLogger`: one JSON line per `log(step, **metrics)` in run_dir/metrics.jsonl, and wandb
-  when enabled. Train loss is logged as `loss`, validation loss as `val_loss` (what `plot_losses`
+  when enabled; `trim_metrics` cuts the file back to a resumed checkpoint's step. Train loss is logged as `loss`, validation loss as `val_loss` (what `plot_losses`
   reads).
 - `Progress`: a tqdm bar with loss, lr, tokens/s, MFU and ETA, and a log line every log_every steps.
 - `plot_losses`: the end-of-run loss curve as a PNG.
@@ -120,6 +120,30 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+
+
+def _record_step(line: bytes) -> int | None:
+    """The step of one metrics.jsonl line; None for a torn one (a crash or a full disk mid-write)."""
+    try:
+        record = json.loads(line.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop the records a crashed run wrote after the checkpoint it resumes from, and
+    the torn lines it may have left (logged): a partial line must not block every resume."""
+    if not path.is_file():
+        return
+    lines = path.read_bytes().splitlines()
+    steps = [_record_step(ln) for ln in lines]
+    if torn := [i + 1 for i, step in enumerate(steps) if step is None]:
+        get_logger().warning("%s: dropped %d torn line(s) (line %s), written by a run that stopped "
+                    "mid-write", path, len(torn), ", ".join(map(str, torn)))
+    kept = [ln for ln, step in zip(lines, steps) if step is not None and step <= last_step]
+    path.write_bytes(b"".join(ln + b"\n" for ln in kept))
 
 
 def _fmt_duration(seconds: float) -> str:

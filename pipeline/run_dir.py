@@ -1,6 +1,7 @@
 """The run directory's layout, defined here once (the checkpoint format inside it is
 pipeline.checkpoint's):
 
+    RUN/lock                             the one run writing here (pipeline.runlock)
     RUN/config.toml                      the resolved config (pipeline.config.save_resolved)
     RUN/train.log                        rank 0's log (pipeline.metrics)
     RUN/metrics.jsonl, RUN/loss.png      one JSON line per logged step; the loss curve
@@ -21,6 +22,10 @@ class RunDir:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "lock"
 
     @property
     def config(self) -> Path:

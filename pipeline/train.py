@@ -9,9 +9,7 @@ completed optimizer steps: step s's loss is the loss of the s-th update.
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,7 +23,6 @@ from model import GPT, ModelConfig, generate
 from pipeline import budget
 from pipeline import checkpoint as ckpt
 from pipeline.config import (
-    CALIBRATION_STEPS,
     ConfigError,
     DataConfig,
     Derived,
@@ -39,10 +36,10 @@ from pipeline.config import (
     save_resolved,
 )
 from pipeline.data import TokenWindows, TrainLoader
-from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from pipeline.evaluate import eval_batches, evaluate
 from pipeline.hardware import dtype_name, matmul_peak, peak_flops, to_device
-from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses
+from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
 from pipeline.optim import apply_schedule, build_optimizer
 from pipeline.parallelize import (
     ParallelModel,
@@ -160,15 +157,6 @@ def due(step: int, every: int, last: bool) -> bool:
     return last or (every > 0 and step % every == 0)
 
 
-def trim_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop the records a crashed run wrote after the checkpoint it resumes from."""
-    if not path.is_file():
-        return
-    kept = [ln for ln in path.read_text().splitlines()
-            if json.loads(ln).get("step", 0) <= last_step]
-    path.write_text("".join(ln + "\n" for ln in kept))
-
-
 # --------------------------------------------------------------------------------------------
 # Time budget (pipeline/budget.py)
 
@@ -191,21 +179,22 @@ class RunLength:
         log.info("time budget: this run's length was fixed when it started: %d steps (not "
                  "measured again)", self.cfg.train.max_steps)
 
-    def step_done(self, step: int,
+    def step_done(self, step: int, step_s: float,
                   hook_costs: Callable[[], budget.HookCosts]) -> budget.BudgetPlan | None:
-        """After each step; at the end of calibration, fixes the length and returns its plan."""
+        """After each step (`step_s`: its own duration); at the end of calibration, fixes the
+        length and returns its plan."""
         tb = self.clock
         if tb is None:
             return None
-        tb.step_done()
-        if step < CALIBRATION_STEPS:
+        tb.step_done(step_s)
+        if not tb.ready(step, self.cfg.optim.warmup_steps):
             return None
         costs = hook_costs()
-        # Every rank must choose the same length: plan from the ranks' mean measurements.
+        # Every rank must choose the same length, and every hook lasts as long as its slowest
+        # rank (rank 0 alone writes the samples): plan from the ranks' largest measurements.
         measured = torch.tensor([tb.step_seconds(), costs.eval_s, costs.sample_s, tb.elapsed()],
                                 dtype=torch.float64, device=self.info.device)
-        all_reduce_sum(measured, self.info)
-        step_s, eval_s, sample_s, elapsed = (measured / self.info.world_size).tolist()
+        step_s, eval_s, sample_s, elapsed = all_reduce_max(measured, self.info).tolist()
         costs = replace(costs, eval_s=eval_s, sample_s=sample_s)
         cap = self.cfg.train.max_steps
         p = budget.plan(self.cfg, elapsed, step, step_s, costs, tb.budget_s)
@@ -219,7 +208,7 @@ class RunLength:
     def _report(self, p: budget.BudgetPlan, costs: budget.HookCosts, step_s: float, step: int,
                 cap: int, budget_s: float) -> None:
         tok_s = self.cfg.train.global_batch_tokens / step_s
-        log.info("time budget %g s: %.2f s/step (%s tokens/s, median of steps 2-%d), eval %.1f s, "
+        log.info("time budget %g s: %.2f s/step (%s tokens/s, steps timed to step %d), eval %.1f s, "
                  "samples %.1f s, checkpoint ~%.1f s -> max_steps %d (at most %d), ~%.0f s in all; "
                  "eval every %d, samples every %d, checkpoints every %d (in %s)",
                  budget_s, step_s, f"{tok_s:,.0f}", step, costs.eval_s, costs.sample_s,
@@ -239,7 +228,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: DistInfo):
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.log.out_dir)
-        self.length = RunLength(cfg, info, self.run_dir)  # first: its clock covers the set-up
+        self.length = RunLength(cfg, info, self.run_dir)  # first: the budget covers the set-up
         self.model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.path).vocab_size)
         grad_accum_steps = self.derived.grad_accum_steps  # a batch that does not divide: error
         resume_from = ckpt.find_resume(cfg.checkpoint.resume, self.run_dir)
@@ -261,7 +250,7 @@ class Trainer:
         if resume_meta is not None:
             self._resume(resume_from, resume_meta)
 
-        self.metrics = self._open_run_dir()
+        self.metrics = self._open_run_dir(resume_from)
         self.peak = peak_flops(info.device, self.precision.dtype)  # the dtype matmuls run in
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
         self.recompiles = RecompileWatch()
@@ -279,17 +268,18 @@ class Trainer:
         self.step, self.bad_steps = meta.step, meta.bad_steps
         self.lineage, self.parent_step = meta.lineage, meta.step
         self.length.keep_fixed(meta.config)
-        if self.info.is_main:  # a rollback: the newer checkpoints leave the current line
-            ckpt.abandon_newer(self.run_dir, self.step, where)
         log.info("resumed from %s at step %d (written by %d ranks)", where, self.step,
                  meta.world_size)
 
-    def _open_run_dir(self) -> MetricsLogger:
+    def _open_run_dir(self, resumed_from: Path | None) -> MetricsLogger:
         cfg = self.cfg
         if self.info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.run_dir)
             trim_metrics(RunDir(self.run_dir).metrics, self.step)
+            # Last: checkpoints move only once the resume has passed every check.
+            if resumed_from is not None:  # newer checkpoints (a rollback) leave the line
+                ckpt.abandon_newer(self.run_dir, self.step, resumed_from)
         return MetricsLogger(self.run_dir, config_to_dict(cfg), cfg.log.wandb,
                              cfg.log.wandb_project, cfg.log.run_name, self.info.is_main)
 
@@ -442,14 +432,14 @@ class Trainer:
         """One optimizer step with its bookkeeping: (the step's metrics record, stop requested)."""
         cfg, step_tokens = self.cfg, self.cfg.train.global_batch_tokens
         lr = apply_schedule(self.optimizer, self.step, cfg.train.max_steps, cfg.optim)
-        t0 = time.perf_counter()
+        t0 = budget.now()
         loss, grad_norm, stop = self.train_step()
         # No extra cuda.synchronize: train_step syncs once before its optimizer step, which
         # then overlaps the next step's start; in steady state dt is still one step's time.
-        dt = time.perf_counter() - t0
+        dt = budget.now() - t0
         self.step += 1
         self.recompiles.check("train", self.step)
-        if (p := self.length.step_done(self.step, self._hook_costs)) is not None:
+        if (p := self.length.step_done(self.step, dt, self._hook_costs)) is not None:
             progress.set_length(p.max_steps, p.log_every)
         tok_s = step_tokens / dt
         peak = self.peak * self.info.world_size if self.peak else None

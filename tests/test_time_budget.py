@@ -64,10 +64,10 @@ def test_budget_chooses_max_steps_and_records_it(tiny_data, tmp_path, monkeypatc
     cfg = cfg_for(tiny_data, run_dir, "--train.time_budget_s", "30")
     trainer = Trainer(cfg, CPU)
     trainer.fit()
-    # Clock calls: start 0, steps 1..5 end at 1..5 (1 s/step), eval batch 6->7 (x2 batches),
-    # samples 8->9, elapsed read at 10.
+    # Clock calls: start 0, step s from 2s - 1 to 2s (1 s/step), eval batch 11->12 (x2
+    # batches), samples 13->14, elapsed read at 15.
     expected = budget.plan(
-        cfg_for(tiny_data, run_dir), elapsed_s=10.0, done=5, step_s=1.0,
+        cfg_for(tiny_data, run_dir), elapsed_s=15.0, done=5, step_s=1.0,
         costs=budget.HookCosts.estimate(2.0, 1.0, trainer.model.num_params()), budget_s=30.0)
     assert 6 < expected.max_steps < 40  # the budget really shortened the run
     saved = load_config(str(run_dir / "config.toml"))

@@ -1,0 +1,133 @@
+"""One writer per run directory, and no worker outlives its launcher.
+
+A second `lmforge train` into a run directory in use is refused in one line (by the launcher
+before torchrun starts, or by the trainer), a lock left by a killed run is taken over, and a
+SIGKILL of `lmforge train --nproc 2`'s process group (torchrun starts its workers in sessions of
+their own) stops the workers as a SIGTERM does: they checkpoint and exit within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import checkpoint as ckpt
+from pipeline.config import ConfigError
+from pipeline.run_dir import RunDir
+from pipeline.runlock import Holder, run_lock
+from tests.launch_utils import TINY_ARGS, children, kill_group, run, start, wait_for_step
+
+LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
+
+
+def lmforge_train(*args) -> list[str]:
+    return [sys.executable, "-m", "launch.cli", "train", *map(str, args)]
+
+
+def args_for(data, out, *extra):
+    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS, *extra]
+
+
+def one_error_line(res) -> str:
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stdout
+    return lines[0]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def test_a_second_writer_is_refused_and_a_dead_writers_lock_taken_over(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    first = start(lmforge_train(*args_for(tiny_data, run_dir, *LONG, "--checkpoint.every", "0")))
+    try:
+        wait_for_step(first, run_dir, 1)
+        holder = json.loads((RunDir(run_dir).lock).read_text())
+        assert holder["pid"] == first.pid
+        for nproc in ("1", "2"):  # the trainer's own refusal, and the launcher's before torchrun
+            res = run(lmforge_train("--nproc", nproc, *args_for(tiny_data, run_dir, "--resume",
+                                                                "auto")), timeout=120)
+            line = one_error_line(res)
+            assert f"is being written by another run (pid {first.pid} on " in line, line
+    finally:
+        kill_group(first)  # SIGKILL: the lock stays behind, naming a process that is gone
+        first.communicate()
+    assert (RunDir(run_dir).lock).is_file()
+    res = run(lmforge_train(*args_for(tiny_data, run_dir, "--train.max_steps", "2",
+                                      "--resume", "auto")), timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert f"taking over the lock of pid {first.pid}" in res.stdout
+    assert not (RunDir(run_dir).lock).exists()  # released at the end
+
+
+def test_a_lock_from_another_host_is_refused_with_the_file_to_delete(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (RunDir(run_dir).lock).write_text(json.dumps(
+        {"host": "elsewhere.invalid", "pid": os.getpid(), "start_ticks": None, "since": "then"}))
+    line = one_error_line(run(lmforge_train(*args_for(tiny_data, run_dir)), timeout=120))
+    assert "another host" in line and f"delete {RunDir(run_dir).lock}" in line, line
+    assert sorted(p.name for p in run_dir.iterdir()) == [RunDir(run_dir).lock.name]  # nothing written
+
+
+def test_the_lock_is_held_for_the_body_and_told_from_a_reused_pid(tmp_path):
+    lock = RunDir(tmp_path).lock
+    with run_lock(tmp_path):
+        assert Holder(**json.loads(lock.read_text())).pid == os.getpid()
+        with pytest.raises(ConfigError, match="is being written by another run"), run_lock(tmp_path):
+            pass
+        with run_lock(tmp_path, take=False):  # every rank but rank 0
+            pass
+    assert not lock.exists()
+    # This pid, but a process that started at another time: the pid was reused, the holder is gone.
+    me = Holder.this_process()
+    lock.write_bytes(Holder(me.host, me.pid, (me.start_ticks or 0) + 1, "then").to_bytes())
+    with run_lock(tmp_path):
+        holder = Holder(**json.loads(lock.read_text()))
+        assert (holder.pid, holder.start_ticks) == (me.pid, me.start_ticks)
+    lock.write_text("not json")
+    with pytest.raises(ConfigError, match="not a lock lmforge wrote"), run_lock(tmp_path):
+        pass
+
+
+@pytest.mark.dist
+def test_killing_the_launchers_group_stops_its_workers(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = start(lmforge_train("--nproc", "2", *args_for(
+        tiny_data, run_dir, *LONG, "--train.parallel", "ddp", "--checkpoint.every", "2")))
+    workers = []
+    try:
+        deadline = time.time() + 180
+        while not ckpt.list_complete(run_dir / "checkpoints") and time.time() < deadline:
+            assert launcher.poll() is None, launcher.stdout.read()[-3000:]
+            time.sleep(0.05)
+        workers = children(launcher.pid)  # lmforge train execs torchrun: its agent is the pid
+        assert len(workers) == 2
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group only, not the workers'
+        launcher.wait(timeout=30)
+        deadline = time.time() + 30
+        while any(map(alive, workers)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(map(alive, workers)), "the workers outlived their launcher"
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        kill_group(launcher)
+    out = launcher.stdout.read()
+    # They stopped as on preemption: a checkpoint of their last step, then the lock released.
+    assert "stop requested (SIGTERM): checkpoint saved at step" in out, out[-3000:]
+    stopped_at = int(out.split("checkpoint saved at step ")[1].split(",")[0])
+    assert ckpt.read_meta(ckpt.list_complete(run_dir / "checkpoints")[-1]).step == stopped_at
+    assert not (RunDir(run_dir).lock).exists()
