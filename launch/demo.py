@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     banner(4, f"sample from {ckpt.path}")
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
     ids = encode_prompt(enc, PROMPT)
-    sampling = SamplingParams(max_new_tokens=120, seed=0).fit(len(ids), ckpt.config.max_seq_len)
+    sampling = SamplingParams(seed=0).fit(len(ids), ckpt.config.max_seq_len)
     sys.stdout.write(PROMPT)
     run_cfg = load_config(str(RunDir(run).config))  # as resolved: the length the budget chose
     dtype = resolve_dtype(run_cfg.train.dtype, info.device)  # the rule training applied

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="the text to continue ('' = start a new document)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
     p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=200,
+    p.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_new_tokens,
                    help="at most this many tokens per sample (clamped to the model's context)")
     p.add_argument("--temperature", type=float, default=SamplingParams.temperature,
                    help=f"0 = greedy; so is any temperature below {MIN_TEMPERATURE:.3g} "

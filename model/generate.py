@@ -165,7 +165,9 @@ class SamplingParams:
     The filters apply in the transformers order: logits / temperature, then top_k, then top_p on
     the renormalised top-k distribution."""
 
-    max_new_tokens: int
+    max_new_tokens: int = 200
+    """At most this many new tokens (what `lmforge sample` and the demo draw; the trainer's
+    periodic samples are shorter: sample.max_new_tokens). `fit` cuts it to the context."""
     temperature: float = 0.8
     """0 = greedy (the filters and the seed then do not matter), as is any temperature below
     MIN_TEMPERATURE: greedy is the limit sampling approaches as the temperature falls."""
@@ -233,16 +235,16 @@ def sample(
     return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
 
 
-def _check_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int) -> None:
+def _check_prompts(cfg: ModelConfig, prompts: list[list[int]], sampling: SamplingParams) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if any(t < 0 or t >= cfg.vocab_size for p in prompts for t in p):
         raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
     longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > cfg.max_seq_len:
+    if sampling.fit(longest, cfg.max_seq_len) != sampling:  # the one room rule: SamplingParams.fit
         raise ValueError(
-            f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
-            f"max_seq_len {cfg.max_seq_len}; shorten the prompt or ask for fewer tokens"
+            f"prompt length {longest} + max_new_tokens {sampling.max_new_tokens} exceeds the "
+            f"model's max_seq_len {cfg.max_seq_len}; shorten the prompt or ask for fewer tokens"
         )
 
 
@@ -264,7 +266,7 @@ def stream(
     first call for a new model, batch size or length pays the compilation (tens of seconds on
     CPU), later calls reuse it."""
     cfg, max_new_tokens = model.cfg, sampling.max_new_tokens
-    _check_prompts(cfg, prompts, max_new_tokens)
+    _check_prompts(cfg, prompts, sampling)
     weight = model.tok_emb.weight
     device, dtype = weight.device, weight.dtype
     B, P = len(prompts), max(len(p) for p in prompts)

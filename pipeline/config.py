@@ -146,7 +146,8 @@ class SampleConfig:
     """Prompts continued by rank 0 and logged; [] = no samples. Each must leave room for new
     tokens in model.max_seq_len (checked before step 1)."""
     max_new_tokens: int = 48
-    """At most this many tokens per sample (cut to what the longest prompt leaves)."""
+    """At most this many tokens per sample (cut to what the longest prompt leaves); shorter than
+    `lmforge sample`'s default, since they are drawn every sample.every steps."""
     # Defaults and ranges of these three are SamplingParams' (model/generate.py).
     temperature: float = SamplingParams.temperature
     """0 = greedy."""
