@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model import GPT
 from pipeline.distributed import DistInfo
 from pipeline.hardware import resolve_dtype
+from pipeline.materialize import materialize
 from pipeline.metrics import get_logger
 
 log = get_logger()
@@ -140,9 +141,12 @@ def parallelize(
     precision: Precision,
     compile_model: bool,
     activation_checkpointing: bool,
+    init_seed: int | None = None,
 ) -> ParallelModel:
-    """Wrap `model` for training; it must already hold its initial weights on info.device.
-    `parallel` is resolved (none | ddp | fsdp: see resolve_parallel)."""
+    """Wrap `model` for training. `parallel` is resolved (none | ddp | fsdp: see
+    resolve_parallel). With init_seed, `model` is a meta-device build (materialize.meta_gpt),
+    allocated on info.device and initialised after sharding, so that under FSDP2 a rank holds only
+    its shards; without, it must already hold its initial weights on info.device."""
     if activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -158,7 +162,9 @@ def parallelize(
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-    elif parallel == "ddp":
+    if init_seed is not None:
+        materialize(model, info.device, init_seed)
+    if parallel == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return ParallelModel(module, parallel, precision)

@@ -41,6 +41,7 @@ from pipeline.data import TokenWindows, TrainLoader
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.evaluate import eval_batches, evaluate
 from pipeline.hardware import dtype_name, matmul_peak, to_device
+from pipeline.materialize import meta_gpt
 from pipeline.metrics import MetricsLogger, Progress, get_logger, peak_flops, plot_losses
 from pipeline.optim import apply_schedule, build_optimizer
 from pipeline.parallelize import (
@@ -124,11 +125,6 @@ def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) ->
     return prompts
 
 
-def build_model(model_cfg: ModelConfig, seed: int, device: torch.device) -> GPT:
-    # Every rank builds the same full model from the same seed before sharding, so the initial
-    # weights do not depend on the world size or the parallelism (what parity tests rely on).
-    torch.manual_seed(seed)
-    return GPT(model_cfg).to(device)
 
 
 CPU_EAGER_MFU = 0.5  # of the measured matmul peak: 51-53 % eager, 2-core AVX2 (train_bench.py)
@@ -164,6 +160,7 @@ def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: 
     return parallelize(
         model, info, parallel=parallel, precision=precision,
         compile_model=compile_model, activation_checkpointing=train_cfg.activation_checkpointing,
+        init_seed=train_cfg.seed,
     )
 
 
@@ -263,7 +260,9 @@ class Trainer:
         self.sample_prompts = sample_prompt_ids(cfg.sample, self.data.tokenizer,
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
-        self.model = build_model(self.model_cfg, cfg.train.seed, info.device)
+        # Built on the meta device; parallelize allocates and initialises it from train.seed
+        # after sharding, the same weights on any world size (pipeline/materialize.py).
+        self.model = meta_gpt(self.model_cfg)
         self.parallel = build_parallel(self.model, cfg.train, cfg.data.seq_len, self.precision,
                                        info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
