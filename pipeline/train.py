@@ -24,6 +24,7 @@ from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token
 from model import GPT, ModelConfig, generate
 from pipeline import budget
 from pipeline import checkpoint as ckpt
+from pipeline.async_checkpoint import Checkpointer
 from pipeline.config import (
     ConfigError,
     DataConfig,
@@ -267,6 +268,7 @@ class Trainer:
                                        info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
                                          self.precision.dtype)
+        self.checkpointer = Checkpointer(info, cfg.checkpoint.async_save)
         self.step, self.bad_steps = 0, 0
         self.lineage, self.parent_step = ckpt.new_lineage(), None
         if resume_meta is not None:
@@ -386,10 +388,10 @@ class Trainer:
                         self.step, what, type(e).__name__, e)
             return None
 
-    def save(self) -> Path:
-        return ckpt.save_training(
+    def save(self, wait: bool = False) -> Path:
+        return self.checkpointer.save(
             self.run_dir, self.parallel.module, self.optimizer, self.meta(with_loader=True),
-            self.data.tokenizer_dir, self.info, self.cfg.checkpoint.keep,
+            self.data.tokenizer_dir, self.cfg.checkpoint.keep, wait=wait,
         )
 
     def export_final(self) -> Path:
@@ -421,6 +423,7 @@ class Trainer:
                             start_step=self.step)
         final = None
         while self.step < cfg.train.max_steps:
+            self.checkpointer.poll()  # completes a background save whose write is done
             record, stop = self._step(progress)
             finished = self.step == cfg.train.max_steps
             # Weights first at the last step and at a stop (preemption: the scheduler's SIGKILL
@@ -429,7 +432,7 @@ class Trainer:
             # checkpoints come after the step's metrics record, so a kill right after one
             # cannot lose that record.
             if finished or stop:
-                log.info("checkpoint %s", self.save())
+                self.save(wait=True)
             if finished:
                 final = self.export_final()
             if stop:
@@ -493,7 +496,7 @@ class Trainer:
         if due(step, cfg.log.log_every, finished) or "val_loss" in record:
             self.metrics.log(step, **record)
         if not finished and due(step, cfg.checkpoint.every, False):
-            log.info("checkpoint %s", self.save())
+            self.save()
 
     def _finish(self, final: Path | None) -> None:
         if self.step == self.cfg.train.max_steps:
