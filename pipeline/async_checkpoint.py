@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from pipeline import checkpoint as ckpt
@@ -36,18 +38,23 @@ from pipeline.metrics import get_logger
 
 log = get_logger()
 
-# Test-only hook (tests/test_async_checkpoint.py): seconds each background write sleeps before
-# writing, so that a test can kill a run while a write is in flight; "fail" makes it raise.
-WRITE_DELAY_ENV = "LMFORGE_TEST_CHECKPOINT_WRITE_DELAY"
+# Test-only hook (tests/test_async_checkpoint.py): STEP:SECONDS makes the background write of
+# step STEP's checkpoint sleep first, so that a test can kill a run while it is in flight;
+# STEP:fail makes it raise. Unset (always, outside tests) it costs one lookup per save.
+WRITE_HOOK_ENV = "LMFORGE_TEST_CHECKPOINT_WRITE"
 
 
 class _Writer(dcp.FileSystemWriter):
+    def __init__(self, tmp: Path, step: int):
+        super().__init__(tmp)
+        self.step = step
+
     def write_data(self, plan, planner):
-        delay = os.environ.get(WRITE_DELAY_ENV)
-        if delay == "fail":
-            raise OSError(f"{WRITE_DELAY_ENV}=fail (test hook)")
-        if delay:
-            time.sleep(float(delay))
+        hook_step, _, action = os.environ.get(WRITE_HOOK_ENV, "").partition(":")
+        if hook_step == str(self.step):
+            if action == "fail":
+                raise OSError(f"{WRITE_HOOK_ENV}={hook_step}:fail (test hook)")
+            time.sleep(float(action))
         return super().write_data(plan, planner)
 
 
@@ -71,6 +78,10 @@ class Checkpointer:
         # Created by every rank, in the same order: new_group is itself a collective.
         self.group = (dist.new_group(backend="gloo")
                       if background and info.is_distributed else None)
+        if background and not info.is_distributed:
+            # The background write warns that it runs in one process (checkpoint's
+            # _single_process_ok cannot reach into its thread); for us that is intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
 
     def save(self, run_dir: Path, model: nn.Module, optimizer, meta: ckpt.CheckpointMeta,
              tokenizer_dir: Path, keep: int, wait: bool = False) -> Path:
@@ -83,10 +94,9 @@ class Checkpointer:
         self.wait()  # at most one in flight
         tmp, final = ckpt.begin_save(run_dir, meta.step, self.info)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        with ckpt._single_process_ok():
-            future = dcp.async_save({"model": model_sd, "optim": optim_sd},
-                                    storage_writer=_Writer(tmp), process_group=self.group,
-                                    no_dist=not self.info.is_distributed)
+        future = dcp.async_save({"model": model_sd, "optim": optim_sd},
+                                storage_writer=_Writer(tmp, meta.step), process_group=self.group,
+                                no_dist=not self.info.is_distributed)
         self.in_flight = _InFlight(future, tmp, final, meta, tokenizer_dir, keep, time.perf_counter())
         if wait:
             self.wait()
@@ -104,14 +114,22 @@ class Checkpointer:
             return
         try:
             job.future.result()
-        except Exception as e:  # noqa: BLE001 - whatever failed, the run must not go on without it
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise ckpt.CheckpointError(
-                f"writing checkpoint {job.final.name} in the background failed "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the run "
-                f"stops here, {job.tmp} is incomplete; --resume auto continues from the newest "
-                "complete checkpoint") from None
+                f"writing checkpoint {job.final.name} in the background failed ({_cause(e)}); "
+                f"the run stops here, {job.tmp.name} is incomplete; --resume auto continues "
+                "from the newest complete checkpoint") from None
         if self.info.is_main:
             ckpt.finish_save(job.tmp, job.final, job.meta, job.tokenizer_dir, job.keep)
         log.info("checkpoint %s (written in the background in %.1f s)", job.final,
                  time.perf_counter() - job.started)
 
+
+
+def _cause(e: BaseException) -> str:
+    """The first failing rank's exception, in one line (DCP wraps each rank's with its trace)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, (e, _) = next(iter(failures.items()))
+        return f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0]
