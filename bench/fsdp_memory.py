@@ -33,6 +33,13 @@ MB = 2**20
 
 
 def rss_mb(key: str = "VmRSS:") -> float:
+    """This process's memory now (VmRSS) or at its peak (VmHWM); on CUDA (--device cuda) the
+    allocator's memory_allocated / max_memory_allocated instead."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        peak = key == "VmHWM:"
+        return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / MB
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key):
             return int(line.split()[1]) / 1024
@@ -49,6 +56,7 @@ def job_args(a: argparse.Namespace, data: Path, out: Path, world: int) -> list[s
         f"train.global_batch_tokens={a.seq_len * a.micro_batch * a.accum * world}",
         "train.dtype=fp32", "train.compile=off", "optim.name=adamw", f"train.max_steps={a.steps}",
         "eval.every=0", "sample.every=0", "checkpoint.every=0", "log.wandb=disabled",
+        f"train.device={a.device}",
     ]
 
 
@@ -59,7 +67,9 @@ def worker(a: argparse.Namespace) -> None:
     from pipeline.config import load_config
     from pipeline.distributed import init_distributed
 
-    info = init_distributed("cpu")
+    info = init_distributed(a.device)
+    if info.device.type == "cuda":
+        torch.cuda.init()
     start = rss_mb()
     if a.old_init:  # the whole model on every rank first, as before meta-device builds
         from model import GPT
@@ -69,13 +79,17 @@ def worker(a: argparse.Namespace) -> None:
     built, built_hwm = rss_mb(), rss_mb("VmHWM:")
     trainer.train_step()
     first, first_hwm = rss_mb(), rss_mb("VmHWM:")
+    step_s = []
     for _ in range(a.steps - 1):
+        t0 = time.perf_counter()
         trainer.train_step()
+        step_s.append(time.perf_counter() - t0)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                 for p in trainer.parallel.module.parameters())
     report = {"rank": info.rank, "start": start, "built": built, "first_step": first,
               "built_hwm": built_hwm, "first_hwm": first_hwm,
-              "peak": rss_mb("VmHWM:"), "local_params": local}
+              "peak": rss_mb("VmHWM:"), "local_params": local,
+              "step_s": sorted(step_s)[len(step_s) // 2] if step_s else float("nan")}
     (Path(a.report) / f"rank{info.rank}.json").write_text(json.dumps(report))
     if info.is_distributed:
         torch.distributed.destroy_process_group()
@@ -111,7 +125,7 @@ def planned_mb(a: argparse.Namespace, world: int) -> dict[str, float]:
 def run_config(a: argparse.Namespace, data: Path, world: int, old_init: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         job = job_args(a, data, Path(out), world)
-        me = [str(Path(__file__).resolve()), "--worker", "--report", out,
+        me = [str(Path(__file__).resolve()), "--worker", "--report", out, "--device", a.device,
               *(["--old-init"] if old_init else []),
               "--steps", str(a.steps), "--job", *job]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -132,6 +146,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--old-init", action="store_true", help="also measure the pre-meta build")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: torch.cuda.max_memory_allocated instead of the peak RSS")
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=12)
@@ -146,10 +162,14 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    from pipeline.hardware import cpu_model
+    import torch
 
+    from pipeline.hardware import cpu_capability, cpu_model
+
+    kind = (f"GPU: {torch.cuda.get_device_name()}, memory: max_memory_allocated"
+            if a.device == "cuda" else f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores), memory: RSS")
     lines = [f"# bench/fsdp_memory.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"CPU: {cpu_model()} ({os.cpu_count()} cores), command: python {' '.join(sys.argv)}",
+             f"{kind}, command: python {' '.join(sys.argv)}",
              f"# model d{a.d_model} L{a.n_layer} V{a.vocab}, fp32, AdamW, micro-batch "
              f"{a.micro_batch} x {a.seq_len}, {a.accum} accumulation step(s) per rank, "
              f"{a.steps} steps; MB = MiB; run = peak - start-up",
@@ -169,7 +189,7 @@ def main() -> None:
                 first = f"{r['first_step']:.0f} ({r['first_hwm']:.0f})"
                 lines.append(f"{name:<18}{r['rank']:>4}{r['start']:>9.0f}{built:>14}{first:>14}"
                              f"{r['peak']:>7.0f}{r['peak'] - r['start']:>6.0f}{plan['peak']:>8.0f}"
-                             f"  {parts}")
+                             f"  {parts}; step {r['step_s'] * 1e3:.0f} ms")
             print("\n".join(lines[-world:]), flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -106,9 +106,9 @@ def orthogonalize_sharded(updates: list[DTensor], ortho) -> list[torch.Tensor]:
     for u, (work, pieces, padded, rows, group, owner) in zip(updates, gathers, strict=True):
         work.wait()
         if pieces is not None:  # the owner: orthogonalise the whole matrix, send each its rows
-            whole = torch.cat(pieces)[: u.shape[0]]
-            out = torch.zeros_like(torch.cat(pieces))
-            out[: u.shape[0]] = ortho(whole)
+            stacked = torch.cat(pieces)
+            out = torch.zeros_like(stacked)
+            out[: u.shape[0]] = ortho(stacked[: u.shape[0]])
             pieces = list(out.split(len(padded)))
         mine = torch.empty_like(padded)
         work = dist.scatter(mine, pieces, group_src=owner, group=group, async_op=True)
