@@ -38,11 +38,10 @@ def one_round(trainer, sync, background, plain_steps: int) -> dict[str, float]:
     plain = statistics.median(timed(trainer.train_step) for _ in range(plain_steps))
     trainer.step += 1
 
-    def save(ckpt, wait=False):
+    def save(ckpt):
         trainer.step += 1
         return ckpt.save(trainer.run_dir, trainer.parallel.module, trainer.optimizer,
-                         trainer.meta(with_loader=True), trainer.data.tokenizer_dir, keep=1,
-                         wait=wait)
+                         trainer.meta(with_loader=True), trainer.data.tokenizer_dir, keep=1)
 
     sync_s = timed(lambda: (trainer.train_step(), save(sync)))
     start = time.perf_counter()

@@ -84,8 +84,8 @@ class Checkpointer:
             warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
 
     def save(self, run_dir: Path, model: nn.Module, optimizer, meta: ckpt.CheckpointMeta,
-             tokenizer_dir: Path, keep: int, wait: bool = False) -> Path:
-        """Collective: checkpoint of meta.step; with `wait` (or synchronous), complete on return."""
+             tokenizer_dir: Path, keep: int) -> Path:
+        """Collective: checkpoint of meta.step (synchronous: complete on return; else `wait`)."""
         if not self.background:
             final = ckpt.save_training(run_dir, model, optimizer, meta, tokenizer_dir, self.info,
                                        keep)
@@ -98,8 +98,6 @@ class Checkpointer:
                                 storage_writer=_Writer(tmp, meta.step), process_group=self.group,
                                 no_dist=not self.info.is_distributed)
         self.in_flight = _InFlight(future, tmp, final, meta, tokenizer_dir, keep, time.perf_counter())
-        if wait:
-            self.wait()
         return final
 
     def poll(self) -> None:

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT
 from pipeline.distributed import DistInfo
-from pipeline.hardware import resolve_dtype
+from pipeline.hardware import MMAP_THRESHOLD, fix_mmap_threshold, resolve_dtype
 from pipeline.materialize import materialize
 from pipeline.metrics import get_logger
 
@@ -154,6 +154,12 @@ def parallelize(
         compile_regions(model, per_block=parallel == "fsdp")
     module: nn.Module = model
     if parallel == "fsdp":
+        # Sharding is for memory: on CPU, memory only shrinks with the ranks once malloc gives
+        # FSDP2's freed per-block buffers back (a step costs more page faults for it).
+        if info.device.type == "cpu" and fix_mmap_threshold():
+            log.info("FSDP2 on CPU: glibc malloc's mmap threshold fixed at %d KiB, so freed "
+                     "buffers go back to the OS (set MALLOC_MMAP_THRESHOLD_ to choose another)",
+                     MMAP_THRESHOLD // 1024)
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters
         # the optimizer updates are the master weights.
         mp = MixedPrecisionPolicy(

@@ -388,10 +388,10 @@ class Trainer:
                         self.step, what, type(e).__name__, e)
             return None
 
-    def save(self, wait: bool = False) -> Path:
+    def save(self) -> Path:
         return self.checkpointer.save(
             self.run_dir, self.parallel.module, self.optimizer, self.meta(with_loader=True),
-            self.data.tokenizer_dir, self.cfg.checkpoint.keep, wait=wait,
+            self.data.tokenizer_dir, self.cfg.checkpoint.keep,
         )
 
     def export_final(self) -> Path:
@@ -432,7 +432,8 @@ class Trainer:
             # checkpoints come after the step's metrics record, so a kill right after one
             # cannot lose that record.
             if finished or stop:
-                self.save(wait=True)
+                self.save()
+                self.checkpointer.wait()  # a background write: complete before anything else
             if finished:
                 final = self.export_final()
             if stop:
