@@ -37,7 +37,7 @@ def step_seconds(a: argparse.Namespace, data: Path, optimizer: str) -> float:
                "--model.n_kv_head", str(a.n_head), "--model.max_seq_len", str(a.seq_len),
                "--train.micro_batch_size", str(a.micro_batch), "--train.global_batch_tokens",
                str(tokens), "--train.max_steps", str(a.steps), "--train.dtype", "fp32",
-               "--train.compile", "off", "--train.parallel", "fsdp", "--optim.name", optimizer,
+               "--train.compile", "off", "--train.parallel", a.parallel, "--optim.name", optimizer,
                "--eval.every", "0", "--sample.every", "0", "--checkpoint.every", "0",
                "--log.log_every", "1"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
@@ -53,6 +53,8 @@ def step_seconds(a: argparse.Namespace, data: Path, optimizer: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--parallel", choices=["fsdp", "ddp"], default="fsdp",
+                   help="ddp: the same comparison where every rank orthogonalises every matrix")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--d-model", type=int, default=512)
@@ -76,7 +78,7 @@ def main() -> None:
     ratios = [m / w for m, w in zip(times["muon"], times["adamw"], strict=True)]
     lines = [f"# bench/fsdp_muon_step.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores), command: python {' '.join(sys.argv)}",
-             f"# FSDP2 x{a.ranks} (gloo), d{a.d_model} L{a.n_layer} V{a.vocab}, fp32, "
+             f"# {a.parallel} x{a.ranks} (gloo), d{a.d_model} L{a.n_layer} V{a.vocab}, fp32, "
              f"{a.micro_batch} x {a.seq_len} tokens per rank per step, {a.steps} steps per run",
              *(f"round {i + 1}: AdamW {w * 1e3:.0f} ms, Muon {m * 1e3:.0f} ms ({m / w:.2f}x)"
                for i, (w, m) in enumerate(zip(times["adamw"], times["muon"], strict=True))),
