@@ -123,7 +123,6 @@ class Checkpointer:
                  time.perf_counter() - job.started)
 
 
-
 def _cause(e: BaseException) -> str:
     """The first failing rank's exception, in one line (DCP wraps each rank's with its trace)."""
     failures = getattr(e, "failures", None)

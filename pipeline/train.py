@@ -261,9 +261,7 @@ class Trainer:
         self.sample_prompts = sample_prompt_ids(cfg.sample, self.data.tokenizer,
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
-        # Built on the meta device; parallelize allocates and initialises it from train.seed
-        # after sharding, the same weights on any world size (pipeline/materialize.py).
-        self.model = meta_gpt(self.model_cfg)
+        self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/materialize.py)
         self.parallel = build_parallel(self.model, cfg.train, cfg.data.seq_len, self.precision,
                                        info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
