@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path in one call, on any CUDA machine, from the repository root (about 5-10 minutes):
 #   bash bench/gpu_check.sh               # lmforge env, 1-GPU step, >= 2 GPUs: DDP/FSDP2/resume,
-#                                         # then train_bench's shape A vs GPT-2 ref. and HF Llama
+#                                         # FSDP2 memory vs plan, then train_bench's shape A vs
+#                                         # GPT-2 ref. and HF Llama
 #   bash bench/gpu_check.sh --cpu-smoke   # the same code path on CPU/gloo, tiny shapes
 # Python: one whose torch already sees CUDA (a system install is reused, with the remaining
 # dependencies added in .venv-gpu), else ./.venv created by launch/env.sh with PyPI's default
@@ -33,6 +34,16 @@ echo "=== lmforge env"
 timeout 180 "$PY" -m launch.cli env
 echo "=== gpu_check"
 timeout 540 "$PY" bench/gpu_check.py "$@"
+# Issue 20: FSDP2's peak memory per rank (max_memory_allocated on CUDA) next to the planner's.
+echo "=== fsdp_memory"
+if [[ " $* " == *" --cpu-smoke "* ]]; then
+    mem=(--device cpu --ranks 1 2 --steps 2 --d-model 128 --n-layer 2 --n-head 4)
+else
+    gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    mem=(--device cuda --ranks 1)
+    [ "$gpus" -ge 2 ] && mem+=(2)
+fi
+timeout 600 "$PY" bench/fsdp_memory.py "${mem[@]}"
 # Shape A of issue 11 on this device: tok/s, MFU and peak memory (max_memory_allocated on CUDA)
 # of lmforge eager/compiled against the GPT-2 reference and HF Llama, in auto's dtype (bf16).
 echo "=== train_bench (shape A)"

@@ -273,29 +273,43 @@ def save_training(
     info: DistInfo,
     keep: int,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
-    root = RunDir(run_dir).checkpoints
-    final = root / step_dir_name(meta.step)
-    tmp = root / (final.name + ".tmp")
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(info)
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+    (pipeline/async_checkpoint.py runs the same three phases with the write in the background.)"""
+    tmp, final = begin_save(run_dir, meta.step, info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_ok():
         dcp.save(
             {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not info.is_distributed
         )
-    torch.save(_rng_state(), tmp / f"rng_rank{info.rank:05d}.pt")
     barrier(info)
     if info.is_main:
-        copy_plain_tree(tokenizer_dir, tmp / "tokenizer")
-        _write_json(tmp / "meta.json", meta.to_json())
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        _drop_oldest(root, meta.lineage, keep)
+        finish_save(tmp, final, meta, tokenizer_dir, keep)
     barrier(info)
     return final
+
+
+def begin_save(run_dir: Path, step: int, info: DistInfo) -> tuple[Path, Path]:
+    """Collective: an empty NAME.tmp for the checkpoint of `step`, each rank's RNG states in it.
+    Returns (tmp, final)."""
+    root = RunDir(run_dir).checkpoints
+    final = root / step_dir_name(step)
+    tmp = root / (final.name + ".tmp")
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(info)
+    torch.save(_rng_state(), tmp / f"rng_rank{info.rank:05d}.pt")
+    return tmp, final
+
+
+def finish_save(tmp: Path, final: Path, meta: CheckpointMeta, tokenizer_dir: Path, keep: int) -> None:
+    """Rank 0, once every rank's part of `tmp` is written: tokenizer, meta.json last, the rename
+    that makes it complete, keep-K."""
+    copy_plain_tree(tokenizer_dir, tmp / "tokenizer")
+    _write_json(tmp / "meta.json", meta.to_json())
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    _drop_oldest(final.parent, meta.lineage, keep)
 
 
 def _drop_oldest(root: Path, lineage: str, keep: int) -> None:

@@ -88,8 +88,8 @@ class TrainConfig:
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
     """adamw: AdamW for every parameter. muon: torch.optim.Muon for the transformer blocks'
-    matrices (at muon_lr), AdamW for the token embedding / LM head and the norms (at lr);
-    ddp or one process (not fsdp: Muon needs whole matrices)."""
+    matrices (at muon_lr), AdamW for the token embedding / LM head and the norms (at lr). Under
+    fsdp each matrix is orthogonalised whole by one rank (pipeline/muon.py)."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of the warmup (with muon: the AdamW groups')."""
     min_lr_ratio: float = 0.1
@@ -170,6 +170,12 @@ class CheckpointConfig:
     """Keep the newest K checkpoints."""
     resume: str = "none"
     """none = start fresh; auto = newest complete checkpoint in the run dir, if any; or a path."""
+    async_save: bool = True
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save): the step
+    that saves only copies the state to host memory, and the checkpoint becomes complete (renamed,
+    meta.json) at a later step once written; the last step and SIGTERM wait for it. On by default:
+    the saving step stalls less (bench/results/checkpoint_stall_avx512.txt). (`async` itself is a
+    Python keyword.)"""
 
 
 @dataclass
@@ -276,9 +282,6 @@ def validate(cfg: JobConfig) -> None:
     need(0 <= o.muon_momentum_start < 1, "optim.muon_momentum_start", "in [0, 1)")
     need(o.muon_momentum_warmup_steps >= 0, "optim.muon_momentum_warmup_steps", ">= 0")
     need(0 <= o.muon_weight_decay < math.inf, "optim.muon_weight_decay", ">= 0")
-    need(o.name != "muon" or t.parallel != "fsdp", "optim.name",
-         "adamw with train.parallel=fsdp (Muon orthogonalises whole matrices; FSDP holds "
-         "shards), or train.parallel=ddp")
     need(e.every >= 0, "eval.every", ">= 0; 0 = only at the end")
     need(e.tokens >= 1, "eval.tokens", ">= 1")
     need(e.batch_size >= 1, "eval.batch_size", ">= 1")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -280,6 +281,33 @@ def peak_note(device: torch.device, dtype: torch.dtype) -> str:
     """The line that says which peak `matmul_peak` is (or why there is none)."""
     device = torch.device(device)
     return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[1]
+
+
+# ----------------------------------------------------------------------------- CPU allocator
+
+# glibc's default; fixed, it stops malloc raising it as large blocks are freed.
+MMAP_THRESHOLD = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def fix_mmap_threshold() -> bool:
+    """Make glibc malloc return every freed block of MMAP_THRESHOLD or more to the OS at once.
+
+    By default glibc raises its mmap threshold (up to 32 MiB) whenever a larger mmapped block is
+    freed, after which blocks of that size come from its heaps and stay there when freed. FSDP2's
+    per-block buffers (gathered parameters, unsharded gradients, reduce-scatter inputs) are freed
+    and allocated again block after block, step after step: in the heaps they fragment, and a
+    rank's peak RSS grows far past the sharded state the plan counts, shrinking little with more
+    ranks. The price is page faults on every fresh buffer (bench/results/fsdp_memory_avx512.txt
+    has both). Returns whether it was set: not when MALLOC_MMAP_THRESHOLD_ (the user's own
+    choice) is set or malloc is not glibc's."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 # ----------------------------------------------------------------------------- CUDA settings

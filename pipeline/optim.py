@@ -5,8 +5,9 @@ optim.name = "muon": torch.optim.Muon for the transformer blocks' 2-D matrices, 
 optim.lr) for the tied token embedding / LM head and the norm gains. Muon replaces each matrix's
 momentum by the nearest semi-orthogonal matrix (Newton–Schulz), so every direction of the update
 moves at the same rate; embeddings (a lookup, not a linear map of the residual stream) and 1-D
-gains keep Adam. Both are stepped as one `Optimizers`, which DCP's get_state_dict/set_state_dict
-take as an iterable of optimizers, so a checkpoint holds (and resumes) both states.
+gains keep Adam. Muon itself is pipeline/muon.py (whole matrices, or FSDP2 shards). Both are
+stepped as one `Optimizers`, which DCP's get_state_dict/set_state_dict take as an iterable of
+optimizers, so a checkpoint holds (and resumes) both states.
 
 The schedule is a pure function of the step, so it needs no state of its own in a checkpoint:
 resuming at step s gives exactly the learning rates (and Muon momentum) an uninterrupted run had.
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from pipeline.config import OptimConfig
+from pipeline.muon import Muon
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
@@ -62,49 +64,6 @@ def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
     )
-
-
-class Muon(torch.optim.Muon):
-    """torch.optim.Muon, with Newton–Schulz in `ns_dtype`.
-
-    bf16 runs torch's own step unchanged. fp32 runs the same update (EMA momentum, Nesterov,
-    decoupled weight decay, torch's default shape scaling sqrt(max(1, rows/cols))) with the
-    orthogonalisation in fp32: on CPUs without bf16 matmuls that is several times faster, and
-    it keeps fp32 runs reproducible across world sizes to fp32 rounding."""
-
-    def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
-        super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if self.ns_dtype == torch.bfloat16:
-            return super().step(closure)
-        for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                ortho = orthogonalize(update.float(), group["ns_coefficients"],
-                                      group["ns_steps"], group["eps"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(ortho.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])))
-        return None
-
-
-def orthogonalize(g_MN: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
-    """Quintic Newton–Schulz towards U V^T of g = U S V^T (torch.optim.Muon's iteration)."""
-    a, b, c = coefficients
-    tall = g_MN.size(0) > g_MN.size(1)
-    x = g_MN.T if tall else g_MN  # iterate on the wide side: the Gram matrix is the smaller one
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
 
 
 class Optimizers:

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT
 from pipeline.distributed import DistInfo
-from pipeline.hardware import resolve_dtype
+from pipeline.hardware import MMAP_THRESHOLD, fix_mmap_threshold, resolve_dtype
+from pipeline.materialize import materialize
 from pipeline.metrics import get_logger
 
 log = get_logger()
@@ -140,9 +141,12 @@ def parallelize(
     precision: Precision,
     compile_model: bool,
     activation_checkpointing: bool,
+    init_seed: int | None = None,
 ) -> ParallelModel:
-    """Wrap `model` for training; it must already hold its initial weights on info.device.
-    `parallel` is resolved (none | ddp | fsdp: see resolve_parallel)."""
+    """Wrap `model` for training. `parallel` is resolved (none | ddp | fsdp: see
+    resolve_parallel). With init_seed, `model` is a meta-device build (materialize.meta_gpt),
+    allocated on info.device and initialised after sharding, so that under FSDP2 a rank holds only
+    its shards; without, it must already hold its initial weights on info.device."""
     if activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -150,6 +154,12 @@ def parallelize(
         compile_regions(model, per_block=parallel == "fsdp")
     module: nn.Module = model
     if parallel == "fsdp":
+        # Sharding is for memory: on CPU, memory only shrinks with the ranks once malloc gives
+        # FSDP2's freed per-block buffers back (a step costs more page faults for it).
+        if info.device.type == "cpu" and fix_mmap_threshold():
+            log.info("FSDP2 on CPU: glibc malloc's mmap threshold fixed at %d KiB, so freed "
+                     "buffers go back to the OS (set MALLOC_MMAP_THRESHOLD_ to choose another)",
+                     MMAP_THRESHOLD // 1024)
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters
         # the optimizer updates are the master weights.
         mp = MixedPrecisionPolicy(
@@ -158,7 +168,9 @@ def parallelize(
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-    elif parallel == "ddp":
+    if init_seed is not None:
+        materialize(model, info.device, init_seed)
+    if parallel == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return ParallelModel(module, parallel, precision)

@@ -10,7 +10,8 @@ Conventions, all as `pipeline.parallelize` builds the run:
   scalar per parameter tensor;
 - FSDP2 shards every parameter on dim 0 in world-size chunks of ceil(rows / world) (rank 0 holds
   the most); with bf16 compute it all-gathers bf16 copies per block for forward and again for
-  backward, and reduce-scatters fp32 gradients once per optimizer step;
+  backward, and reduce-scatters fp32 gradients once per optimizer step; with Muon, each block
+  matrix's fp32 update is gathered whole to one rank and scattered back (pipeline/muon.py);
 - DDP all-reduces fp32 gradients once per optimizer step; under bf16 autocast it keeps bf16
   copies of the weights from forward to backward.
 """
@@ -138,6 +139,7 @@ class Strategy:
     all_gather: int  # bytes per optimizer step, whole tensors (each GPU sends (W-1)/W of them)
     reduce_scatter: int
     all_reduce: int  # a ring all-reduce sends 2 (W-1)/W of it per GPU
+    muon: int = 0  # FSDP2 + Muon: each block matrix gathered whole to its owner and scattered back
 
     def peak(self, checkpointing: bool) -> int:
         acts = self.activations_ac if checkpointing else self.activations
@@ -163,6 +165,7 @@ def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strat
     model_cfg = model.cfg
     shapes = [tuple(p.shape) for p in model.parameters()]
     muon = [cfg.optim.name == "muon" and is_muon_matrix(n, p) for n, p in model.named_parameters()]
+    muon_numel = sum(p.numel() for p, by_muon in zip(model.parameters(), muon, strict=True) if by_muon)
     n = model.num_params()
     accum = derive(cfg, world).grad_accum_steps
     mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
@@ -183,7 +186,8 @@ def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strat
                     accumulated=FP32 * n if world > 1 and accum > 1 else 0,
                     activations=acts, activations_ac=acts_ac, head_loss=head,
                     all_gather=2 * accum * p_bytes * n if world > 1 else 0,
-                    reduce_scatter=FP32 * n if world > 1 else 0, all_reduce=0)
+                    reduce_scatter=FP32 * n if world > 1 else 0, all_reduce=0,
+                    muon=2 * FP32 * muon_numel if world > 1 else 0)
     return [ddp, fsdp]
 
 
@@ -250,6 +254,8 @@ def report(cfg: JobConfig, nproc: int, nnodes: int, gpu_name: str, mfu: float) -
     lines.append(f"{f'fits {USABLE:.0%} of {gpu.memory / GiB:.0f} GiB?':<34}{fit[0]:>14}{fit[1]:>14}")
     comm = [("all-gather / step", "all_gather"), ("reduce-scatter / step", "reduce_scatter"),
             ("all-reduce / step", "all_reduce")]
+    if muon:  # the owner receives each matrix's (W-1)/W, then sends it back
+        comm.append(("Muon gather+scatter (fp32) / step", "muon"))
     lines += [f"{label:<34}{_gib(getattr(ddp, k)):>14}{_gib(getattr(fsdp, k)):>14}"
               for label, k in comm]
     step_s = model.flops_per_token(cfg.data.seq_len) * cfg.train.global_batch_tokens / (world * gpu.bf16_peak * mfu)

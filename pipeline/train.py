@@ -22,6 +22,7 @@ from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token
 from model import GPT, ModelConfig, generate
 from pipeline import budget
 from pipeline import checkpoint as ckpt
+from pipeline.async_checkpoint import Checkpointer
 from pipeline.config import (
     ConfigError,
     DataConfig,
@@ -39,6 +40,7 @@ from pipeline.data import TokenWindows, TrainLoader
 from pipeline.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from pipeline.evaluate import eval_batches, evaluate
 from pipeline.hardware import dtype_name, matmul_peak, peak_flops, to_device
+from pipeline.materialize import meta_gpt
 from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
 from pipeline.optim import apply_schedule, build_optimizer
 from pipeline.parallelize import (
@@ -109,11 +111,6 @@ def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) ->
     return prompts
 
 
-def build_model(model_cfg: ModelConfig, seed: int, device: torch.device) -> GPT:
-    # Every rank builds the same full model from the same seed before sharding, so the initial
-    # weights do not depend on the world size or the parallelism (what parity tests rely on).
-    torch.manual_seed(seed)
-    return GPT(model_cfg).to(device)
 
 
 CPU_EAGER_MFU = 0.5  # of the measured matmul peak: 51-53 % eager, 2-core AVX2 (train_bench.py)
@@ -149,6 +146,7 @@ def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: 
     return parallelize(
         model, info, parallel=parallel, precision=precision,
         compile_model=compile_model, activation_checkpointing=train_cfg.activation_checkpointing,
+        init_seed=train_cfg.seed,
     )
 
 
@@ -240,11 +238,12 @@ class Trainer:
         self.sample_prompts = sample_prompt_ids(cfg.sample, self.data.tokenizer,
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
-        self.model = build_model(self.model_cfg, cfg.train.seed, info.device)
+        self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/materialize.py)
         self.parallel = build_parallel(self.model, cfg.train, cfg.data.seq_len, self.precision,
                                        info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
                                          self.precision.dtype)
+        self.checkpointer = Checkpointer(info, cfg.checkpoint.async_save)
         self.step, self.bad_steps = 0, 0
         self.lineage, self.parent_step = ckpt.new_lineage(), None
         if resume_meta is not None:
@@ -366,9 +365,9 @@ class Trainer:
             return None
 
     def save(self) -> Path:
-        return ckpt.save_training(
+        return self.checkpointer.save(
             self.run_dir, self.parallel.module, self.optimizer, self.meta(with_loader=True),
-            self.data.tokenizer_dir, self.info, self.cfg.checkpoint.keep,
+            self.data.tokenizer_dir, self.cfg.checkpoint.keep,
         )
 
     def export_final(self) -> Path:
@@ -400,6 +399,7 @@ class Trainer:
                             start_step=self.step)
         final = None
         while self.step < cfg.train.max_steps:
+            self.checkpointer.poll()  # completes a background save whose write is done
             record, stop = self._step(progress)
             finished = self.step == cfg.train.max_steps
             # Weights first at the last step and at a stop (preemption: the scheduler's SIGKILL
@@ -408,7 +408,8 @@ class Trainer:
             # checkpoints come after the step's metrics record, so a kill right after one
             # cannot lose that record.
             if finished or stop:
-                log.info("checkpoint %s", self.save())
+                self.save()
+                self.checkpointer.wait()  # a background write: complete before anything else
             if finished:
                 final = self.export_final()
             if stop:
@@ -472,7 +473,7 @@ class Trainer:
         if due(step, cfg.log.log_every, finished) or "val_loss" in record:
             self.metrics.log(step, **record)
         if not finished and due(step, cfg.checkpoint.every, False):
-            log.info("checkpoint %s", self.save())
+            self.save()
 
     def _finish(self, final: Path | None) -> None:
         if self.step == self.cfg.train.max_steps:

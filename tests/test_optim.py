@@ -126,7 +126,6 @@ def test_optimizers_step_and_zero_grad_all(tiny_model):
     (["--optim.muon_momentum_start", "-0.1"], "optim.muon_momentum_start"),
     (["--optim.muon_momentum_warmup_steps", "-1"], "optim.muon_momentum_warmup_steps"),
     (["--optim.muon_weight_decay", "nan"], "optim.muon_weight_decay"),
-    (["--optim.name", "muon", "--train.parallel", "fsdp"], "optim.name"),
     (["--optim.name", "sgd"], "optim.name"),
 ])
 def test_bad_muon_settings_are_one_line_errors(override, key):

@@ -116,6 +116,24 @@ def test_dry_run_plans_without_starting_anything():
     assert bad.returncode == 2 and "error: --gpu: unknown GPU 'Z80'" in bad.stdout
 
 
+def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
+    """FSDP2 + Muon: each matrix Muon owns is gathered whole (fp32) and scattered back per step;
+    nothing extra for AdamW, DDP (every rank has whole matrices) or one process."""
+    from pipeline.config import JobConfig, OptimConfig
+    from pipeline.optim import build_optimizer
+    from pipeline.plan import strategies
+
+    cfg = JobConfig(optim=OptimConfig(name="muon"))
+    model = meta_model(SMALL)
+    _, muon = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    matrices = sum(p.numel() for g in muon.param_groups for p in g["params"])
+    ddp, fsdp = strategies(cfg, model, 2, bf16=False)
+    assert fsdp.muon == 2 * 4 * matrices and ddp.muon == 0
+    assert strategies(cfg, model, 1, bf16=False)[1].muon == 0
+    adamw = JobConfig(optim=OptimConfig(name="adamw"))
+    assert strategies(adamw, model, 2, bf16=False)[1].muon == 0
+
+
 def _fsdp_probe() -> None:
     """Under torchrun: shard SMALL with FSDP2 on gloo, one AdamW step, print this rank's bytes."""
     from torch.distributed.fsdp import fully_shard

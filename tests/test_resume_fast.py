@@ -15,6 +15,7 @@ from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import OptimConfig, load_config
 from pipeline.data import TokenWindows, TrainLoader
+from pipeline.materialize import materialize, meta_gpt
 from pipeline.optim import build_optimizer
 from tests.launch_utils import TINY_ARGS, metrics, train
 
@@ -66,8 +67,8 @@ def test_first_step_loss_and_grad_norm_match_a_direct_computation(runs, tiny_dat
     micro_batches = loader.next_micro_batches()
     assert len(micro_batches) == 2
     first = per_step(runs[0])[1]
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(model_cfg)  # what every rank builds before parallelizing
+    model = meta_gpt(model_cfg)  # what every rank builds, then allocates after parallelizing
+    materialize(model, torch.device("cpu"), cfg.train.seed)
     total = sum(model(x, y, reduction="sum") for x, y in micro_batches)
     loss = total / cfg.train.global_batch_tokens
     loss.backward()

@@ -1,0 +1,120 @@
+"""What a checkpoint costs the training loop, synchronous vs checkpoint.async_save, on CPU.
+
+    python bench/checkpoint_stall.py                          # 51M params, 3 interleaved rounds
+    python bench/checkpoint_stall.py --d-model 128 --n-layer 2 --rounds 1   # a quick look
+
+One process runs the trainer's own step (pipeline.train.Trainer.train_step: fp32, AdamW) and its
+checkpointer (pipeline.async_checkpoint.Checkpointer), a synchronous and a background one in the
+same process, rounds interleaved (sync, async, sync, ...) so that both see the same machine.
+sync stall: the saving step's time minus a plain step's (median of the round's plain steps).
+async stall: the same for the step that starts the save (it stages the state to host memory),
+plus what the steps run while the write is in flight lose against a plain step (the background
+thread shares the cores), until the write is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.fsdp_memory import write_data  # noqa: E402
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def one_round(trainer, sync, background, plain_steps: int) -> dict[str, float]:
+    plain = statistics.median(timed(trainer.train_step) for _ in range(plain_steps))
+    trainer.step += 1
+
+    def save(ckpt):
+        trainer.step += 1
+        return ckpt.save(trainer.run_dir, trainer.parallel.module, trainer.optimizer,
+                         trainer.meta(with_loader=True), trainer.data.tokenizer_dir, keep=1)
+
+    sync_s = timed(lambda: (trainer.train_step(), save(sync)))
+    start = time.perf_counter()
+    async_s = timed(lambda: (trainer.train_step(), save(background)))
+    overlapped, lost = 0, 0.0
+    while background.in_flight is not None and not background.in_flight.future.done():
+        lost += timed(trainer.train_step) - plain
+        overlapped += 1
+    write_s = time.perf_counter() - start
+    background.wait()
+    return {"plain": plain, "sync_stall": sync_s - plain, "async_call": async_s - plain,
+            "async_stall": async_s - plain + lost, "overlapped_steps": overlapped,
+            "write_s": write_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--plain-steps", type=int, default=3)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--data", type=Path, help="a prepared dataset of --vocab ids")
+    p.add_argument("--out", type=Path, help="also write the table to this file")
+    a = p.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    from pipeline.async_checkpoint import Checkpointer
+    from pipeline.config import load_config
+    from pipeline.distributed import DistInfo
+    from pipeline.hardware import cpu_capability, cpu_model
+    from pipeline.train import Trainer
+
+    info = DistInfo(0, 0, 1, __import__("torch").device("cpu"))
+    with tempfile.TemporaryDirectory() as tmp:
+        data = a.data or write_data(a, Path(tmp))
+        cfg = load_config(None, [
+            f"--data.path={data}", f"--log.out_dir={tmp}/run", f"--data.seq_len={a.seq_len}",
+            f"--model.vocab_size={a.vocab}", f"--model.d_model={a.d_model}",
+            f"--model.n_layer={a.n_layer}", f"--model.n_head={a.n_head}",
+            f"--model.n_kv_head={a.n_head}", f"--model.max_seq_len={a.seq_len}",
+            f"--train.micro_batch_size={a.micro_batch}",
+            f"--train.global_batch_tokens={a.seq_len * a.micro_batch}", "--train.dtype=fp32",
+            "--train.compile=off", "--train.parallel=none", "--train.max_steps=100000",
+            "--eval.every=0", "--sample.every=0"])
+        trainer = Trainer(cfg, info)
+        sync, background = Checkpointer(info, False), Checkpointer(info, True)
+        trainer.train_step()  # warm-up; the optimizer state exists from here on
+        rounds = [one_round(trainer, sync, background, a.plain_steps) for _ in range(a.rounds)]
+        n_params = trainer.model.num_params()
+    lines = [f"# bench/checkpoint_stall.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+             f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores), command: python {' '.join(sys.argv)}",
+             f"# {n_params / 1e6:.1f}M params (d{a.d_model} L{a.n_layer} V{a.vocab}), fp32, AdamW, "
+             f"1 process, {a.micro_batch} x {a.seq_len} tokens/step; checkpoint to a temp dir",
+             f"{'round':>5}{'plain ms':>10}{'sync stall ms':>15}{'async call ms':>15}"
+             f"{'async stall ms':>16}{'steps during write':>20}{'write s':>9}"]
+    for i, r in enumerate(rounds):
+        lines.append(f"{i + 1:>5}{r['plain'] * 1e3:>10.0f}{r['sync_stall'] * 1e3:>15.0f}"
+                     f"{r['async_call'] * 1e3:>15.0f}{r['async_stall'] * 1e3:>16.0f}"
+                     f"{r['overlapped_steps']:>20}{r['write_s']:>9.2f}")
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    lines.append(f"median: plain step {med['plain'] * 1e3:.0f} ms; sync stall "
+                 f"{med['sync_stall'] * 1e3:.0f} ms ({med['sync_stall'] / med['plain']:.2f}x a step), "
+                 f"async stall {med['async_stall'] * 1e3:.0f} ms "
+                 f"({med['async_stall'] / med['plain']:.2f}x a step; the saving step itself "
+                 f"{med['async_call'] * 1e3:.0f} ms)")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
