@@ -18,6 +18,7 @@ from data_prep.shards import (
     SPLITS,
     Manifest,
     ShardInfo,
+    index_path,
     load_manifest,
     shard_name,
 )
@@ -69,6 +70,8 @@ def link_shards(parts: list[Manifest], out: Path) -> list[ShardInfo]:
         for i, (m, s) in enumerate(shards):
             name = shard_name(sp, i)
             _link_or_copy(m.data_dir / s.file, out / name)
+            if index_path(m.data_dir / s.file).is_file():  # parts prepared before the index: none
+                _link_or_copy(index_path(m.data_dir / s.file), index_path(out / name))
             infos.append(ShardInfo(name, sp, s.tokens, s.documents, s.sha256))
     return infos
 

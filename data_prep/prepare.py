@@ -48,6 +48,7 @@ from data_prep.shards import (
     dtype_for_vocab,
     load_manifest,
     shard_name,
+    write_doc_index,
     write_shard,
 )
 from data_prep.sources import Source
@@ -219,6 +220,7 @@ class ShardWriter:
         self.split, self.ledger, self.index = split, ledger, ledger.count(split)[0]
         self.vocab_size, self.dtype, self.shard_tokens = vocab_size, dtype, shard_tokens
         self.parts: list[np.ndarray] = []
+        self.lengths: list[np.ndarray] = []  # of the buffered documents: the document index
         self.tokens = self.docs = 0
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
@@ -229,6 +231,7 @@ class ShardWriter:
             k = min(k, len(lengths))
             cut = int(ends[k - 1])
             self.parts.append(tokens[:cut])
+            self.lengths.append(lengths[:k])
             self.tokens += cut
             self.docs += k
             if self.tokens >= self.shard_tokens:
@@ -241,8 +244,10 @@ class ShardWriter:
             return
         name = shard_name(self.split, self.index)
         sha = write_shard(self.ledger.out / name, self.parts, self.vocab_size, self.dtype)
+        lengths = np.concatenate(self.lengths)
+        write_doc_index(self.ledger.out / name, np.cumsum(lengths) - lengths, self.tokens)
         self.ledger.record(ShardInfo(name, self.split, self.tokens, self.docs, sha))
-        self.parts, self.tokens, self.docs = [], 0, 0
+        self.parts, self.lengths, self.tokens, self.docs = [], [], 0, 0
         self.index += 1
 
 

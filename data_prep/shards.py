@@ -18,6 +18,21 @@ Document layout (the statement the loader relies on): every document is stored a
 so every shard starts with EOT, and splitting a shard at its EOT positions gives back exactly its
 documents, in input order. `t_i` equal tiktoken's `encode_ordinary(document)`.
 
+Document index (`train_000000.idx` beside `train_000000.bin`, written by prepare with its shard;
+absent in data prepared before it, then built once from the tokens by `load_doc_index`):
+
+    offset  size  field
+    0       8     magic  b"LMFDOCIX"
+    8       4     uint32 index version (INDEX_VERSION)
+    12      4     uint32 0 (reserved)
+    16      8     uint64 number of entries n
+    24      8     uint64 tokens of its shard
+    32      8n    uint64 offset in the shard of each EOT, increasing
+
+so that document boundaries are read without reading the tokens (start-up O(shards + documents),
+not O(bytes)). The loader reads the offsets in stream coordinates, so a document that runs over
+a shard boundary (a shard not starting with EOT) is read as one document.
+
 manifest.json, written last (its presence means the dataset is complete):
 `{"version", "vocab_size", "eot_id", "dtype", "tokenizer": {kind, name, vocab_size, eot_id,
 sha256, pattern}, "source", "args", "stats", "shards": [{file, split, tokens, documents,
@@ -44,6 +59,8 @@ FORMAT_VERSION = 1
 MAGIC = b"LMFSHARD"
 _HEADER = struct.Struct("<8sIIQQ")
 HEADER_BYTES = _HEADER.size  # 32
+INDEX_MAGIC = b"LMFDOCIX"
+INDEX_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
@@ -75,7 +92,8 @@ def atomic_write_bytes(path: Path, chunks, sha=None) -> None:
     """Write `chunks` (bytes-likes) to `path` via a temp name + rename, so a crash never leaves a
     half-written file under the final name. Feeds each chunk to `sha` if given."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # Per process: ranks that build the same document index at once never share a temp file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -133,6 +151,39 @@ def read_header(path: Path | str) -> tuple[int, np.dtype, int, int]:
         raise ShardError(f"shard {path} is {size} bytes, header says "
                          f"{HEADER_BYTES + count * itemsize}; {_fix_hint(path)}")
     return version, _DTYPES[itemsize], count, vocab_size
+
+
+def index_path(shard: Path) -> Path:
+    return Path(shard).with_suffix(".idx")
+
+
+def write_doc_index(shard: Path | str, offsets: np.ndarray, shard_tokens: int) -> None:
+    """Write the document index of `shard` (its EOT offsets) atomically beside it."""
+    header = _HEADER.pack(INDEX_MAGIC, INDEX_VERSION, 0, len(offsets), shard_tokens)
+    atomic_write_bytes(index_path(Path(shard)), [header, np.ascontiguousarray(offsets, "<u8").data])
+
+
+def read_doc_index(shard: Path | str, shard_tokens: int) -> np.ndarray | None:
+    """The EOT offsets of `shard` as int64, validated (header, size, order, range); None when the
+    shard has no index (prepared before the index existed)."""
+    path = index_path(Path(shard))
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    fix = f"delete {path} (it is rebuilt from its shard on the next start)"
+    if len(raw) < HEADER_BYTES:
+        raise ShardError(f"document index {path} is truncated; {fix}")
+    magic, version, _, count, tokens = _HEADER.unpack(raw[:HEADER_BYTES])
+    if magic != INDEX_MAGIC or version != INDEX_VERSION:
+        raise ShardError(f"{path} is not a version-{INDEX_VERSION} lmforge document index; {fix}")
+    if tokens != shard_tokens or len(raw) != HEADER_BYTES + 8 * count:
+        raise ShardError(f"document index {path} does not match its shard ({tokens} vs "
+                         f"{shard_tokens} tokens, {len(raw)} bytes); {fix}")
+    offsets = np.frombuffer(raw, "<u8", offset=HEADER_BYTES).astype(np.int64)
+    if count and (offsets[-1] >= tokens or (np.diff(offsets) <= 0).any()):
+        raise ShardError(f"document index {path} is not increasing within its shard; {fix}")
+    return offsets
 
 
 def open_shard(path: Path | str) -> np.ndarray:

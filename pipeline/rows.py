@@ -1,0 +1,183 @@
+"""The training rows of one prepared split: what `data.align` chooses.
+
+A row is seq_len + 1 tokens w (input w[:-1], target w[1:]); `read(indices)` gives them with the
+number of tokens each really holds (the rest is padding, whose targets the loss ignores).
+
+- `StreamRows` (align = "stream"): row i is the window of the concatenated stream starting at
+  i * seq_len. Consecutive rows share one token, so every next-token pair is trained once an epoch.
+- `DocRows` (align = "doc"): every row starts at a document start (the EOT before it) and holds
+  whole documents. A document longer than a row is cut into rows at the same stride as the stream
+  (each next-token pair once): its first row starts at its EOT, the next ones are its
+  *continuation rows* -- the only rows not starting at a document start -- and its last, shorter
+  piece is packed like a document, first in its row. The documents and last pieces are packed
+  by best fit, longest first (each goes into the row it fills most closely), which leaves little
+  padding when documents are short against a row; `padding` is the fraction of an epoch's target
+  positions left empty. The packing depends only on the data and seq_len, never on the seed or the
+  world size: the loader permutes these rows per epoch as it permutes stream windows.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from data_prep.errors import DataError
+from data_prep.shards import read_doc_index, write_doc_index
+from pipeline.metrics import get_logger
+
+if TYPE_CHECKING:  # pipeline.data builds these rows from its windows
+    from pipeline.data import TokenWindows
+
+log = get_logger()
+
+
+class StreamRows:
+    """align = "stream": the windows of TokenWindows, all full."""
+
+    align = "stream"
+
+    def __init__(self, windows: TokenWindows):
+        self.windows = windows
+        self.num_rows = windows.num_windows
+        self.padding = 0.0
+
+    def read(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(w (n, seq_len + 1) int64, tokens used per row (n,))."""
+        return self.windows.windows(indices), self.used_of(indices)
+
+    def used_of(self, indices) -> np.ndarray:
+        """Tokens used per row, without reading them."""
+        return np.full(len(indices), self.windows.seq_len + 1, dtype=np.int64)
+
+    def continues(self, indices) -> np.ndarray:
+        """Whether each row continues a document from the row before (unknown here: False)."""
+        return np.zeros(len(indices), dtype=bool)
+
+
+def doc_starts(windows: TokenWindows) -> np.ndarray:
+    """Stream positions of every EOT of the split, from the shards' document indexes; a shard
+    without one (prepared before the index) is scanned once and its index written beside it."""
+    parts, built = [], []
+    for k, path in enumerate(windows.paths):
+        n = int(windows.starts[k + 1] - windows.starts[k])
+        offsets = read_doc_index(path, n)
+        if offsets is None:
+            offsets = np.flatnonzero(windows.tokens(int(windows.starts[k]),
+                                                    int(windows.starts[k + 1])) == windows.eot_id)
+            built.append(path)
+            try:
+                write_doc_index(path, offsets, n)
+            except OSError as e:  # a read-only dataset: rebuilt on every start, and said so
+                log.warning("cannot write the document index of %s (%s); it is rebuilt on every "
+                            "start: re-run `lmforge prepare` into a writable directory", path,
+                            e.strerror)
+        parts.append(offsets + int(windows.starts[k]))
+    if built:
+        log.info("data.align = doc: built the document index of %d shard(s) of %s (prepared "
+                 "before the index; written beside the shards, read from there next time)",
+                 len(built), built[0].parent)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class DocRows:
+    """align = "doc": rows packed from whole documents; see the module docstring."""
+
+    align = "doc"
+
+    def __init__(self, windows: TokenWindows):
+        self.windows = windows
+        T, R = windows.seq_len, windows.seq_len + 1
+        starts = doc_starts(windows)
+        if len(starts) == 0 or starts[0] != 0:  # a stream that does not open with EOT
+            starts = np.concatenate([[0], starts]).astype(np.int64)
+        lengths = np.diff(np.append(starts, windows.num_tokens))
+        # Long documents: full rows at stride T, then their last piece (if it has a target).
+        full = np.where(lengths > R, (lengths - R) // T + 1, 0)
+        doc_of_row = np.repeat(np.arange(len(starts)), full)
+        k = np.arange(len(doc_of_row)) - np.repeat(np.cumsum(full) - full, full)
+        long_starts = starts[doc_of_row] + k * T
+        piece_start = starts + full * T
+        piece_len = lengths - full * T
+        keep = piece_len >= 2
+        # A stream that does not open with EOT opens with a piece of a document: a continuation.
+        first_is_cont = bool(windows.tokens(0, 1)[0] != windows.eot_id)
+        cont = (full > 0) | ((np.arange(len(starts)) == 0) & first_is_cont)
+        segments, row_ptr, row_cont = pack(piece_start[keep], piece_len[keep], cont[keep], R)
+        n_long = len(long_starts)
+        self.seg_start = np.concatenate([long_starts, segments[:, 0]]).astype(np.int64)
+        self.seg_len = np.concatenate([np.full(n_long, R), segments[:, 1]]).astype(np.int64)
+        self.row_ptr = np.concatenate([np.arange(n_long), row_ptr + n_long]).astype(np.int64)
+        self.row_cont = np.concatenate([(k > 0) | ((doc_of_row == 0) & first_is_cont), row_cont])
+        self.num_rows = len(self.row_ptr) - 1
+        used = np.add.reduceat(self.seg_len, self.row_ptr[:-1]) if self.num_rows else np.zeros(0)
+        self.used = used.astype(np.int64)
+        self.padding = float(1 - (self.used - 1).sum() / max(1, self.num_rows * T))
+        if self.num_rows == 0:
+            raise DataError(f"the {windows.split} split has no document of 2 tokens or more; "
+                            "prepare more data or use data.align = stream")
+
+    def read(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        w = np.full((len(indices), self.windows.seq_len + 1), self.windows.eot_id, dtype=np.int64)
+        for row, i in enumerate(indices):
+            pos = 0
+            for s in range(self.row_ptr[i], self.row_ptr[i + 1]):
+                n = int(self.seg_len[s])
+                start = int(self.seg_start[s])
+                w[row, pos:pos + n] = self.windows.tokens(start, start + n)
+                pos += n
+        return w, self.used_of(indices)
+
+    def used_of(self, indices) -> np.ndarray:
+        return self.used[np.asarray(indices, dtype=np.int64)]
+
+    def continues(self, indices) -> np.ndarray:
+        return self.row_cont[np.asarray(indices, dtype=np.int64)]
+
+
+def pack(start: np.ndarray, length: np.ndarray, cont: np.ndarray,
+         capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Best-fit decreasing packing of segments into rows of `capacity` tokens: each continuation
+    piece opens its own row (it must come first), then every document, longest first, goes into
+    the open row with the least room that still holds it, or opens a row. Returns (segments
+    (n, 2) of (start, length) in row order, row_ptr (rows + 1), whether each row continues)."""
+    rows: list[list[int]] = []
+    by_room: dict[int, list[int]] = {}  # room left -> rows with that room
+    rooms: list[int] = []  # the keys of by_room with a row, sorted
+
+    def place(row: int, room: int) -> None:
+        if room < 2:  # no piece of a document is that short: the row is full
+            return
+        if not by_room.get(room):
+            by_room[room] = []
+            bisect.insort(rooms, room)
+        by_room[room].append(row)
+
+    pieces = np.flatnonzero(cont)
+    for p in pieces:
+        rows.append([int(p)])
+        place(len(rows) - 1, capacity - int(length[p]))
+    docs = np.flatnonzero(~cont)
+    for d in docs[np.argsort(-length[docs], kind="stable")]:
+        n = int(length[d])
+        j = bisect.bisect_left(rooms, n)
+        if j < len(rooms):
+            room = rooms[j]
+            row = by_room[room].pop()
+            if not by_room[room]:
+                rooms.pop(j)
+            rows[row].append(int(d))
+            place(row, room - n)
+        else:
+            rows.append([int(d)])
+            place(len(rows) - 1, capacity - n)
+    order = np.fromiter((s for r in rows for s in r), dtype=np.int64, count=len(start))
+    row_ptr = np.cumsum([0] + [len(r) for r in rows])
+    row_cont = np.zeros(len(rows), dtype=bool)
+    row_cont[:len(pieces)] = True
+    return np.stack([start[order], length[order]], axis=1), row_ptr, row_cont
+
+
+def build_rows(windows: TokenWindows, align: str) -> StreamRows | DocRows:
+    return DocRows(windows) if align == "doc" else StreamRows(windows)
