@@ -25,6 +25,7 @@ from data_prep.shards import load_manifest
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
 from pipeline.distributed import DistInfo, distributed
 from pipeline.metrics import get_logger, setup_logging
+from pipeline.mixture import describe_mixture, open_sources
 from pipeline.plan import meta_model
 from pipeline.plan import report as plan_report
 from pipeline.train import Trainer, TrainingStopped, model_config_for
@@ -60,7 +61,7 @@ def count_params(cfg: JobConfig) -> int:
     """Parameters of the configured model, built on the meta device (no memory, no data read
     beyond the manifest; before `prepare` has run, the embedding is left out of the count)."""
     try:
-        model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.path).vocab_size)
+        model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.first_path).vocab_size)
     except DataError:
         model_cfg = replace(cfg.model, vocab_size=cfg.model.vocab_size or 1)
     return meta_model(model_cfg).num_params(exclude_embeddings=model_cfg.vocab_size == 1)
@@ -75,6 +76,7 @@ def dry_run(cfg: JobConfig, args: argparse.Namespace) -> int:
     plan = plan_report(cfg, nproc, args.nnodes, args.gpu, args.mfu)
     print(to_toml(cfg))
     print(describe(cfg, derived, count_params(cfg)))
+    print(describe_mixture(cfg.data, cfg.train.max_steps, cfg.train.global_batch_tokens))
     print()
     print(plan)
     return 0
@@ -116,7 +118,7 @@ def cli_main(argv: list[str]) -> int:
         return main(argv)
     parsed, overrides = parse_args(rest)
     # Config and data mistakes: one line here, not one per rank under a torchrun traceback.
-    load_manifest(load_config(parsed.config, overrides).data.path)
+    open_sources(load_config(parsed.config, overrides).data)
     torchrun = shutil.which("torchrun")
     prefix = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     cmd = prefix + ["--standalone", f"--nproc_per_node={args.nproc}", "-m", "launch.train", *rest]
