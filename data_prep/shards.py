@@ -88,12 +88,12 @@ def _fix_hint(path: Path) -> str:
             "with the same arguments to rebuild it")
 
 
-def atomic_write_bytes(path: Path, chunks, sha=None) -> None:
+def atomic_write_bytes(path: Path, chunks, sha=None, per_process: bool = False) -> None:
     """Write `chunks` (bytes-likes) to `path` via a temp name + rename, so a crash never leaves a
-    half-written file under the final name. Feeds each chunk to `sha` if given."""
+    half-written file under the final name. Feeds each chunk to `sha` if given. `per_process`:
+    a temp name of this process's own, for a file that several processes may write at once."""
     path = Path(path)
-    # Per process: ranks that build the same document index at once never share a temp file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if per_process else f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -157,10 +157,13 @@ def index_path(shard: Path) -> Path:
     return Path(shard).with_suffix(".idx")
 
 
-def write_doc_index(shard: Path | str, offsets: np.ndarray, shard_tokens: int) -> None:
-    """Write the document index of `shard` (its EOT offsets) atomically beside it."""
+def write_doc_index(shard: Path | str, offsets: np.ndarray, shard_tokens: int,
+                    per_process: bool = False) -> None:
+    """Write the document index of `shard` (its EOT offsets) atomically beside it;
+    `per_process` when built at load, where every rank may write it at once."""
     header = _HEADER.pack(INDEX_MAGIC, INDEX_VERSION, 0, len(offsets), shard_tokens)
-    atomic_write_bytes(index_path(Path(shard)), [header, np.ascontiguousarray(offsets, "<u8").data])
+    atomic_write_bytes(index_path(Path(shard)), [header, np.ascontiguousarray(offsets, "<u8").data],
+                       per_process=per_process)
 
 
 def read_doc_index(shard: Path | str, shard_tokens: int) -> np.ndarray | None:

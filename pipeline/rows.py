@@ -68,7 +68,7 @@ def doc_starts(windows: TokenWindows) -> np.ndarray:
                                                     int(windows.starts[k + 1])) == windows.eot_id)
             built.append(path)
             try:
-                write_doc_index(path, offsets, n)
+                write_doc_index(path, offsets, n, per_process=True)
             except OSError as e:  # a read-only dataset: rebuilt on every start, and said so
                 log.warning("cannot write the document index of %s (%s); it is rebuilt on every "
                             "start: re-run `lmforge prepare` into a writable directory", path,
