@@ -3,7 +3,7 @@
     python bench/align_bench.py                    # 3 seeds x (doc, stream), a few minutes on 2 cores
     python bench/align_bench.py --seeds 5 --steps 120
 
-The built-in corpus (builtin:pystdlib, its first --max-docs documents, BPE 1024, prepared once
+The built-in corpus (builtin:pystdlib, its first --max-docs documents, 5% of them val, BPE 1024, prepared once
 into --data), a small model (configs/tiny.toml's shape at --layers / --d-model), rows of the
 demo's length (256 tokens), trained by the pipeline itself (pipeline.train.Trainer, one
 process, fp32). Both alignments see the same seed, the same batch size and number of steps (doc
@@ -39,7 +39,7 @@ def prepare_data(data: Path, max_docs: int) -> Path:
 
     if not (data / "manifest.json").is_file():
         rc = prepare(["--source", "builtin:pystdlib", "--tokenizer", "bpe:1024", "--out", str(data),
-                      "--max-docs", str(max_docs), "--quiet"])
+                      "--max-docs", str(max_docs), "--val-docs", str(max_docs // 20), "--quiet"])
         if rc != 0:
             sys.exit(f"error: preparing {data} failed (exit {rc})")
     return data

@@ -136,46 +136,77 @@ class DocRows:
         return self.row_cont[np.asarray(indices, dtype=np.int64)]
 
 
+class _Rooms:
+    """Open rows by the room they have left: room -> row ids, and the rooms in order."""
+
+    def __init__(self):
+        self.by_room: dict[int, list[int]] = {}
+        self.rooms: list[int] = []  # sorted keys of by_room with at least one row
+
+    def add(self, rows: list[int], room: int) -> None:
+        if room < 2 or not rows:  # no piece of a document is that short: those rows are full
+            return
+        if not self.by_room.get(room):
+            self.by_room[room] = []
+            bisect.insort(self.rooms, room)
+        self.by_room[room].extend(rows)
+
+    def take(self, need: int, k: int) -> tuple[int, list[int]]:
+        """Up to k rows of the least room >= need, removed: (their room, rows); (0, []) if none."""
+        j = bisect.bisect_left(self.rooms, need)
+        if j == len(self.rooms):
+            return 0, []
+        room = self.rooms[j]
+        bucket = self.by_room[room]
+        taken = bucket[-k:]
+        del bucket[-k:]
+        if not bucket:
+            self.rooms.pop(j)
+        return room, taken
+
+
 def pack(start: np.ndarray, length: np.ndarray, cont: np.ndarray,
          capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Best-fit decreasing packing of segments into rows of `capacity` tokens: each continuation
-    piece opens its own row (it must come first), then every document, longest first, goes into
-    the open row with the least room that still holds it, or opens a row. Returns (segments
-    (n, 2) of (start, length) in row order, row_ptr (rows + 1), whether each row continues)."""
-    rows: list[list[int]] = []
-    by_room: dict[int, list[int]] = {}  # room left -> rows with that room
-    rooms: list[int] = []  # the keys of by_room with a row, sorted
-
-    def place(row: int, room: int) -> None:
-        if room < 2:  # no piece of a document is that short: the row is full
-            return
-        if not by_room.get(room):
-            by_room[room] = []
-            bisect.insort(rooms, room)
-        by_room[room].append(row)
-
+    piece opens its own row (it must come first); then the documents, longest first, go into the
+    open rows with the least room that still holds them, or open rows. Documents of one length
+    move together (the rows of one room take one each), so the work grows with the number of
+    distinct lengths and rooms rather than with the documents. Returns (segments (n, 2) of
+    (start, length) in row order, row_ptr (rows + 1), whether each row continues)."""
+    row_of = np.empty(len(start), dtype=np.int64)
     pieces = np.flatnonzero(cont)
-    for p in pieces:
-        rows.append([int(p)])
-        place(len(rows) - 1, capacity - int(length[p]))
+    row_of[pieces] = np.arange(len(pieces))
+    open_rows = _Rooms()
+    for room in np.unique(capacity - length[pieces]):
+        open_rows.add(np.flatnonzero(capacity - length[pieces] == room).tolist(), int(room))
+    n_rows = len(pieces)
     docs = np.flatnonzero(~cont)
-    for d in docs[np.argsort(-length[docs], kind="stable")]:
-        n = int(length[d])
-        j = bisect.bisect_left(rooms, n)
-        if j < len(rooms):
-            room = rooms[j]
-            row = by_room[room].pop()
-            if not by_room[room]:
-                rooms.pop(j)
-            rows[row].append(int(d))
-            place(row, room - n)
-        else:
-            rows.append([int(d)])
-            place(len(rows) - 1, capacity - n)
-    order = np.fromiter((s for r in rows for s in r), dtype=np.int64, count=len(start))
-    row_ptr = np.cumsum([0] + [len(r) for r in rows])
-    row_cont = np.zeros(len(rows), dtype=bool)
-    row_cont[:len(pieces)] = True
+    docs = docs[np.argsort(-length[docs], kind="stable")]
+    bounds = np.flatnonzero(np.diff(length[docs])) + 1
+    for group in np.split(docs, bounds) if len(docs) else []:
+        n, done = int(length[group[0]]), 0
+        while done < len(group):
+            room, rows = open_rows.take(n, len(group) - done)
+            if not rows:  # new rows, as many of these documents in each as fit
+                per_row = capacity // n
+                fresh = n_rows + np.arange(len(group) - done) // per_row
+                row_of[group[done:]] = fresh
+                counts = np.bincount(fresh - n_rows)
+                for used in np.unique(counts):
+                    open_rows.add((n_rows + np.flatnonzero(counts == used)).tolist(),
+                                  capacity - int(used) * n)
+                n_rows += len(counts)
+                break
+            row_of[group[done:done + len(rows)]] = rows
+            done += len(rows)
+            open_rows.add(rows, room - n)
+    # Within a row: the continuation piece first, then documents in the order they were placed.
+    placed = np.empty(len(start), dtype=np.int64)
+    placed[pieces] = -1
+    placed[docs] = np.arange(len(docs))
+    order = np.lexsort((placed, row_of))
+    row_ptr = np.searchsorted(row_of[order], np.arange(n_rows + 1))
+    row_cont = np.arange(n_rows) < len(pieces)
     return np.stack([start[order], length[order]], axis=1), row_ptr, row_cont
 
 
