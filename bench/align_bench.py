@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-from bench.speedrun import read_records, reach, spread  # noqa: E402
+from bench.speedrun import reach, read_records, spread  # noqa: E402
 
 
 def prepare_data(data: Path, max_docs: int) -> Path:

@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 from data_prep.errors import DataError
-from data_prep.prepare import TOKENIZER_DIR, part_slice, resume_state, save_state
+from data_prep.outdir import TOKENIZER_DIR, resume_state, save_state
+from data_prep.prepare import part_slice
 from data_prep.shards import (
     FORMAT_VERSION,
     SPLITS,

@@ -70,7 +70,7 @@ def train_sources(d: DataConfig, vocab_size: int) -> tuple[list[Source], list[Ph
     sources = []
     for s, _ in open_sources(d):
         rows = build_rows(TokenWindows(s.path, "train", d.seq_len, vocab_size), d.align)
-        if rows.padding:
+        if d.align == "doc":
             log.info("data.align = doc: %s packs into %d rows of %d tokens, %.2f%% of their "
                      "target positions padding (not trained)", s.name, rows.num_rows,
                      d.seq_len + 1, 100 * rows.padding)

@@ -13,10 +13,26 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from data_prep.shards import FORMAT_VERSION, Manifest, ShardInfo, load_manifest, open_shard, shard_name, write_shard
+from data_prep.shards import (
+    FORMAT_VERSION,
+    Manifest,
+    ShardInfo,
+    load_manifest,
+    open_shard,
+    shard_name,
+    write_shard,
+)
 from pipeline.data import Phase, Source, TokenWindows, TrainLoader
 from pipeline.rows import StreamRows
-from tests.launch_utils import TINY_ARGS, kill_group, metrics, start, train, train_cmd, wait_for_step
+from tests.launch_utils import (
+    TINY_ARGS,
+    kill_group,
+    metrics,
+    start,
+    train,
+    train_cmd,
+    wait_for_step,
+)
 from tests.test_data_loader import SEQ, VOCAB, make_data
 
 
