@@ -6,13 +6,13 @@ number of tokens each really holds (the rest is padding, whose targets the loss 
 - `StreamRows` (align = "stream"): row i is the window of the concatenated stream starting at
   i * seq_len. Consecutive rows share one token, so every next-token pair is trained once an epoch.
 - `DocRows` (align = "doc"): every row starts at a document start (the EOT before it) and holds
-  whole documents. A document longer than a row is cut into rows at the same stride as the stream
-  (each next-token pair once): its first row starts at its EOT, the next ones are its
-  *continuation rows* -- the only rows not starting at a document start -- and its last, shorter
-  piece is packed like a document, first in its row. The documents and last pieces are packed
-  by best fit, longest first (each goes into the row it fills most closely), which leaves little
-  padding when documents are short against a row; `padding` is the fraction of an epoch's target
-  positions left empty. The packing depends only on the data and seq_len, never on the seed or the
+  whole documents. A document longer than a row is cut at the same stride as the stream (each
+  next-token pair once): its head, from its EOT, is packed like a short document, and the rest
+  fills whole *continuation rows* -- the only rows not starting at a document start, and never
+  padded. The short documents and heads are packed by best fit, longest first (each goes into
+  the row it fills most closely), so the padding is what best fit leaves: `padding` is the
+  fraction of an epoch's target positions left empty. The packing depends only on the data and
+  seq_len, never on the seed or the
   world size: the loader permutes these rows per epoch as it permutes stream windows.
 """
 
@@ -93,23 +93,22 @@ class DocRows:
         if len(starts) == 0 or starts[0] != 0:  # a stream that does not open with EOT
             starts = np.concatenate([[0], starts]).astype(np.int64)
         lengths = np.diff(np.append(starts, windows.num_tokens))
-        # Long documents: full rows at stride T, then their last piece (if it has a target).
-        full = np.where(lengths > R, (lengths - R) // T + 1, 0)
+        # A long document: its head (from its EOT, 2 to T + 1 tokens) is packed like a short
+        # document, and the rest fills whole continuation rows at stride T, ending at its end.
+        full = np.where(lengths > R, (lengths - 2) // T, 0)
+        head = lengths - full * T
         doc_of_row = np.repeat(np.arange(len(starts)), full)
         k = np.arange(len(doc_of_row)) - np.repeat(np.cumsum(full) - full, full)
-        long_starts = starts[doc_of_row] + k * T
-        piece_start = starts + full * T
-        piece_len = lengths - full * T
-        keep = piece_len >= 2
+        cont_starts = starts[doc_of_row] + head[doc_of_row] - 1 + k * T
+        keep = head >= 2  # a lone EOT has no target
         # A stream that does not open with EOT opens with a piece of a document: a continuation.
-        first_is_cont = bool(windows.tokens(0, 1)[0] != windows.eot_id)
-        cont = (full > 0) | ((np.arange(len(starts)) == 0) & first_is_cont)
-        segments, row_ptr, row_cont = pack(piece_start[keep], piece_len[keep], cont[keep], R)
-        n_long = len(long_starts)
-        self.seg_start = np.concatenate([long_starts, segments[:, 0]]).astype(np.int64)
-        self.seg_len = np.concatenate([np.full(n_long, R), segments[:, 1]]).astype(np.int64)
-        self.row_ptr = np.concatenate([np.arange(n_long), row_ptr + n_long]).astype(np.int64)
-        self.row_cont = np.concatenate([(k > 0) | ((doc_of_row == 0) & first_is_cont), row_cont])
+        cont = (np.arange(len(starts)) == 0) & bool(windows.tokens(0, 1)[0] != windows.eot_id)
+        segments, row_ptr, row_cont = pack(starts[keep], head[keep], cont[keep], R)
+        n_cont = len(cont_starts)
+        self.seg_start = np.concatenate([cont_starts, segments[:, 0]]).astype(np.int64)
+        self.seg_len = np.concatenate([np.full(n_cont, R), segments[:, 1]]).astype(np.int64)
+        self.row_ptr = np.concatenate([np.arange(n_cont), row_ptr + n_cont]).astype(np.int64)
+        self.row_cont = np.concatenate([np.ones(n_cont, dtype=bool), row_cont])
         self.num_rows = len(self.row_ptr) - 1
         used = np.add.reduceat(self.seg_len, self.row_ptr[:-1]) if self.num_rows else np.zeros(0)
         self.used = used.astype(np.int64)

@@ -60,8 +60,9 @@ def test_every_row_but_continuations_starts_with_eot(tmp_path):
     assert pairs == sorted((int(a), int(b)) for a, b in zip(stream[:-1], stream[1:], strict=True)
                            if b != EOT)
     # Only a document longer than a row has continuation rows.
-    assert cont.sum() == sum(max(0, -(-(n - SEQ - 1) // SEQ)) for n in lengths)
-    assert 0 < rows.padding < 0.25
+    assert cont.sum() == sum((n - 2) // SEQ for n in lengths if n > SEQ + 1)
+    assert (used[cont] == SEQ + 1).all()  # continuation rows are full
+    assert 0 < rows.padding < 0.05
 
 
 def test_index_built_once_when_absent_and_validated(tmp_path):
