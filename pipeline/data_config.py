@@ -50,7 +50,8 @@ class DataConfig:
     align: Literal["doc", "stream"] = "stream"
     """doc: every row starts at a document start, filled with whole documents by best fit (a
     document longer than a row continues in the next rows; the rest is padding, not trained);
-    stream: rows are consecutive seq_len-token windows of the concatenated documents."""
+    stream: rows are consecutive seq_len-token windows of the concatenated documents. The presets
+    (configs/) use doc: bench/results/align_bench_zen4.txt."""
     seq_len: int = 256
     """Tokens per training sequence; the loader reads rows of seq_len + 1 tokens."""
 
