@@ -167,3 +167,23 @@ def test_two_processes_equal_one_and_kill_resume_on_another_world_size(tiny_data
     assert "val_loss/small" not in last and "val_bpb/pystdlib" in last
     log = (straight / "train.log").read_text()
     assert "data phase 1 starts" in log and "data source small starts epoch 1" in log
+
+
+def test_dry_run_prints_the_mixture(tiny_data, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.launch_utils import ROOT, env
+
+    small = small_source(tiny_data, tmp_path / "small")
+    out = subprocess.run([sys.executable, "-m", "launch.train", "--dry-run",
+                          *mixture_args(tiny_data, small, tmp_path / "run"), "--data.align", "doc"],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = {ln.split()[0]: ln for ln in out.stdout.splitlines() if "train tokens" in ln}
+    assert set(lines) == {"pystdlib", "small"}
+    # (8 steps at 0.3 + 8 at 0.5) x 512 tokens a step, over its 2,200 tokens: 1.49 epochs.
+    assert "2,200 train tokens, weight 0.3/0.5, 1.49 epochs" in lines["small"]
+    assert "% of doc rows padding" in lines["pystdlib"]
+    assert "2 phase(s) from steps [0, 8]" in out.stdout
+    assert not (tmp_path / "run").exists()  # a dry run starts nothing
