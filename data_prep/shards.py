@@ -311,13 +311,18 @@ def check_shard(path: Path, info: ShardInfo, vocab_size: int, checksum: bool = T
 
 
 def verify(data_dir: Path | str) -> None:
-    """Check every shard's header, size and sha256 against the manifest; one ShardError that
-    lists every problem found."""
+    """Check every shard's header, size and sha256 against the manifest, and its document index
+    (where it has one) against its tokens; one ShardError that lists every problem found."""
     m = load_manifest(data_dir)
     problems = []
     for info in m.shards:
+        path = m.data_dir / info.file
         try:
-            check_shard(m.data_dir / info.file, info, m.vocab_size)
+            dtype = check_shard(path, info, m.vocab_size)
+            offsets = read_doc_index(path, info.tokens)
+            if offsets is not None and (map_tokens(path, dtype, info.tokens)[offsets] != m.eot_id).any():
+                raise ShardError(f"document index {index_path(path)} points at tokens that are not "
+                                 f"EOT; delete it (it is rebuilt from its shard on the next start)")
         except ShardError as e:
             problems.append(str(e))
     if problems:

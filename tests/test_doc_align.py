@@ -19,8 +19,12 @@ from data_prep.shards import (
     ShardError,
     ShardInfo,
     index_path,
+    load_manifest,
+    open_shard,
     read_doc_index,
     shard_name,
+    verify,
+    write_doc_index,
     write_shard,
 )
 from model.model import IGNORE_INDEX
@@ -80,10 +84,21 @@ def test_index_built_once_when_absent_and_validated(tmp_path):
         read_doc_index(shard, 157)
 
 
-def test_prepare_writes_the_index(tiny_data):
-    for shard in tiny_data.glob("*.bin"):
-        offsets = read_doc_index(shard, int(np.memmap(shard, np.uint8).size - 32) // 2)
-        assert offsets is not None and offsets[0] == 0
+def test_prepare_writes_the_index_and_verify_checks_it(tiny_data, tmp_path):
+    m = load_manifest(tiny_data)
+    for info in m.shards:
+        shard = tiny_data / info.file
+        offsets = read_doc_index(shard, info.tokens)
+        assert len(offsets) == info.documents
+        assert (np.flatnonzero(np.asarray(open_shard(shard)) == m.eot_id) == offsets).all()
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shard = data / m.shards[0].file
+    offsets = read_doc_index(shard, m.shards[0].tokens)
+    offsets[1] += 1  # off its EOT, still increasing
+    write_doc_index(shard, offsets, m.shards[0].tokens)
+    with pytest.raises(ShardError, match="not EOT"):
+        verify(data)
 
 
 def test_loader_rows_carry_padding_as_ignored_targets(tmp_path):
