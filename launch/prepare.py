@@ -18,12 +18,11 @@ from data_prep.prepare import PrepareConfig, prepare
 from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
 from data_prep.tokenizer import load_tokenizer_dir
 from launch.cli import ArgumentParser
-from pipeline.config import DataConfig, TrainConfig, validate_data
-from pipeline.data import TrainLoader
-from pipeline.mixture import train_sources
+from pipeline.data_config import DataConfig
 from pipeline.typed_config import add_flags, from_flags, number
 
-NOT_FLAGS = ("out", "progress")  # --out is declared by hand (optional with --verify); --quiet
+NOT_FLAGS = ("out", "progress")
+ROWS_SEED = 1337  # train.seed's default (pipeline.config.TrainConfig; a test keeps them equal)  # --out is declared by hand (optional with --verify); --quiet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +84,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
                    help="tokens to decode (default 300)")
     p.add_argument("--seed", type=number(int, 0), default=None,
                    help="pick the same place every time; with --rows: train.seed (default "
-                        f"{TrainConfig.seed})")
+                        f"{ROWS_SEED}, the trainer's)")
     p.add_argument("--split", default="train", choices=SPLITS)
     p.add_argument("--rows", type=number(int, 1), help="show the first N rows of step 1")
     p.add_argument("--seq-len", type=number(int, 1), default=DataConfig.seq_len,
@@ -118,11 +117,16 @@ def inspect_main(argv: list[str] | None = None) -> int:
 def show_rows(args: argparse.Namespace) -> int:
     """The first --rows rows of step 1: the trainer's loader on one process with a global batch
     of that many rows (the draws and each source's order do not depend on the batch size)."""
+    # Here, not at the top: the trainer's modules import torch, which costs `lmforge prepare`
+    # seconds of start-up (bench/prepare_bench.py's fixed cost) that it never needs.
+    from pipeline.data import TrainLoader
+    from pipeline.data_config import validate_data
+    from pipeline.mixture import train_sources
     d = DataConfig(path="" if args.mix else str(args.dir), mix=args.mix, align=args.align,
                    seq_len=args.seq_len)
     validate_data(d, max_steps=1)
     sources, phases = train_sources(d, None)
-    seed = TrainConfig.seed if args.seed is None else args.seed
+    seed = ROWS_SEED if args.seed is None else args.seed
     step = TrainLoader(sources, args.rows, 1, 0, 1, seed, phases).next_step()
     rows = [{"source": name, "ids": w[:n].tolist(), "continues": bool(c)}
             for name, w, n, c in zip(step.sources, step.w, step.used, step.continues, strict=True)]

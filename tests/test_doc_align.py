@@ -176,3 +176,16 @@ def test_bad_mixtures_are_one_line_exit_2(tiny_data, tmp_path, extra, message):
     assert out.returncode == 2, out.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_prepare_and_inspect_start_without_torch():
+    """`lmforge prepare` never needs torch (seconds of start-up, bench/prepare_bench.py's fixed
+    cost); inspect --rows imports the trainer's loader only when asked, with its default seed."""
+    from launch.prepare import ROWS_SEED
+    from pipeline.config import TrainConfig
+
+    assert ROWS_SEED == TrainConfig.seed
+    out = subprocess.run([sys.executable, "-c", "import sys, launch.prepare; "
+                          "print('torch' in sys.modules)"], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
