@@ -12,13 +12,15 @@ import shutil
 from pathlib import Path
 
 from data_prep.errors import DataError
-from data_prep.prepare import TOKENIZER_DIR, part_slice, resume_state, save_state
+from data_prep.outdir import TOKENIZER_DIR, resume_state, save_state
+from data_prep.prepare import part_slice
 from data_prep.shards import (
     FORMAT_VERSION,
     SPLITS,
     Manifest,
     ShardInfo,
     copy_plain_tree,
+    index_path,
     load_manifest,
     shard_name,
 )
@@ -70,6 +72,8 @@ def link_shards(parts: list[Manifest], out: Path) -> list[ShardInfo]:
         for i, (m, s) in enumerate(shards):
             name = shard_name(sp, i)
             _link_or_copy(m.data_dir / s.file, out / name)
+            if index_path(m.data_dir / s.file).is_file():  # parts prepared before the index: none
+                _link_or_copy(index_path(m.data_dir / s.file), index_path(out / name))
             infos.append(ShardInfo(name, sp, s.tokens, s.documents, s.sha256))
     return infos
 

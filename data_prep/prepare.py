@@ -21,14 +21,13 @@ import functools
 import hashlib
 import heapq
 import itertools
-import json
 import os
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -36,20 +35,8 @@ import tiktoken
 from tqdm import tqdm
 
 from data_prep.errors import DataError
-from data_prep.shards import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    SPLITS,
-    Manifest,
-    ShardError,
-    ShardInfo,
-    atomic_write_bytes,
-    check_shard,
-    dtype_for_vocab,
-    load_manifest,
-    shard_name,
-    write_shard,
-)
+from data_prep.outdir import TOKENIZER_DIR, Ledger, ShardWriter, resume_state, sort_shards
+from data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
 from data_prep.sources import Source
 from data_prep.tokenizer import (
     META_FILE,
@@ -63,8 +50,6 @@ from data_prep.tokenizer import (
     train_bpe,
 )
 
-STATE_NAME = ".prepare_state.json"
-TOKENIZER_DIR = "tokenizer"
 BATCH_CHARS = 1 << 20  # characters per encode task: large enough to amortise thread hand-off
 DEFAULT_VAL_FRACTION = 0.01
 MAX_WORKERS = 1024  # 2*workers batches are in flight: more threads than cores only costs memory
@@ -207,125 +192,6 @@ def encode_batch(enc: tiktoken.Encoding, eot: int, dtype: np.dtype,
                  batch: Batch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """`encode_docs` of each split of a batch (one thread-pool task)."""
     return {sp: encode_docs(enc, eot, dtype, texts) for sp, texts in batch.texts.items()}
-
-
-class ShardWriter:
-    """Appends documents of one split; writes a shard at the first document end at or past
-    `shard_tokens` tokens (documents are never cut) and records it in the ledger at once, so a
-    kill right after loses no finished shard. Numbering continues after the ledger's shards."""
-
-    def __init__(self, split: str, ledger: Ledger, vocab_size: int, dtype: np.dtype,
-                 shard_tokens: int):
-        self.split, self.ledger, self.index = split, ledger, ledger.count(split)[0]
-        self.vocab_size, self.dtype, self.shard_tokens = vocab_size, dtype, shard_tokens
-        self.parts: list[np.ndarray] = []
-        self.tokens = self.docs = 0
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        ends = np.cumsum(lengths)
-        while len(lengths):
-            # first document whose end reaches the shard size, or all of them
-            k = int(np.searchsorted(ends, self.shard_tokens - self.tokens)) + 1
-            k = min(k, len(lengths))
-            cut = int(ends[k - 1])
-            self.parts.append(tokens[:cut])
-            self.tokens += cut
-            self.docs += k
-            if self.tokens >= self.shard_tokens:
-                self.flush()
-            tokens, lengths, ends = tokens[cut:], lengths[k:], ends[k:] - cut
-
-    def flush(self) -> None:
-        """Write what is buffered as a shard (nothing when empty)."""
-        if not self.docs:
-            return
-        name = shard_name(self.split, self.index)
-        sha = write_shard(self.ledger.out / name, self.parts, self.vocab_size, self.dtype)
-        self.ledger.record(ShardInfo(name, self.split, self.tokens, self.docs, sha))
-        self.parts, self.tokens, self.docs = [], 0, 0
-        self.index += 1
-
-
-# ---------------------------------------------------------------------------------------------
-# the output directory: fresh, resumable, finished, or someone else's
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {path} ({e}); delete {path.parent} and prepare again") from None
-
-
-def _check_args(out: Path, recorded: dict, identity: dict) -> None:
-    if recorded != identity:
-        diff = [f"{k}: {recorded.get(k)!r} -> {identity.get(k)!r}"
-                for k in sorted(set(recorded) | set(identity)) if recorded.get(k) != identity.get(k)]
-        raise DataError(f"{out} holds a prepare run with other arguments ({'; '.join(diff)}); "
-                        "use a new --out directory or delete it")
-
-
-def resume_state(out: Path, identity: dict) -> tuple[bool, list[ShardInfo]]:
-    """(finished?, finished shards to keep). DataError for a foreign directory or other args.
-    Shards whose checksum fails are deleted with every later shard of their split."""
-    if not out.exists() or not any(out.iterdir()):
-        return False, []
-    manifest, state = out / MANIFEST_NAME, out / STATE_NAME
-    if manifest.is_file():
-        m = load_manifest(out)
-        _check_args(out, m.args, identity)
-        for info in m.shards:  # cheap header check; --verify does the checksums
-            check_shard(out / info.file, info, m.vocab_size, checksum=False)
-        return True, m.shards
-    if not state.is_file():
-        raise DataError(f"output directory {out} is not empty and not an lmforge prepare output; "
-                        "choose an empty or new --out directory")
-    d = _read_json(state)
-    _check_args(out, d.get("args"), identity)
-    vocab = read_tokenizer_meta(out / TOKENIZER_DIR)["n_vocab"] if d["shards"] else 0
-    keep, broken = [], set()
-    for info in (ShardInfo(**s) for s in d["shards"]):
-        if info.split not in broken:
-            try:
-                check_shard(out / info.file, info, vocab)
-                keep.append(info)
-                continue
-            except ShardError as e:
-                print(f"resume: rebuilding from {info.file} ({e})", file=sys.stderr)
-                broken.add(info.split)
-        (out / info.file).unlink(missing_ok=True)
-    return False, keep
-
-
-def sort_shards(infos: list[ShardInfo]) -> list[ShardInfo]:
-    """train shards then val shards, each in index order (not in order of completion)."""
-    return sorted(infos, key=lambda s: (SPLITS.index(s.split), s.file))
-
-
-def save_state(out: Path, identity: dict, done: list[ShardInfo]) -> None:
-    text = json.dumps({"args": identity, "shards": [asdict(s) for s in sort_shards(done)]}, indent=1)
-    atomic_write_bytes(out / STATE_NAME, [text.encode()])
-
-
-class Ledger:
-    """The finished shards of this output directory, saved to STATE_NAME each time one is added:
-    what a resume keeps."""
-
-    def __init__(self, out: Path, identity: dict, done: list[ShardInfo]):
-        self.out, self.identity, self.done = out, identity, list(done)
-
-    def record(self, info: ShardInfo) -> None:
-        self.done.append(info)
-        self.save()
-
-    def save(self) -> None:
-        save_state(self.out, self.identity, self.done)
-
-    def count(self, split: str) -> tuple[int, int]:
-        """(shards, documents) of `split` already finished."""
-        infos = [s for s in self.done if s.split == split]
-        return len(infos), sum(s.documents for s in infos)
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,21 @@ Document layout (the statement the loader relies on): every document is stored a
 so every shard starts with EOT, and splitting a shard at its EOT positions gives back exactly its
 documents, in input order. `t_i` equal tiktoken's `encode_ordinary(document)`.
 
+Document index (`train_000000.idx` beside `train_000000.bin`, written by prepare with its shard;
+absent in data prepared before it, then built once from the tokens by `load_doc_index`):
+
+    offset  size  field
+    0       8     magic  b"LMFDOCIX"
+    8       4     uint32 index version (INDEX_VERSION)
+    12      4     uint32 0 (reserved)
+    16      8     uint64 number of entries n
+    24      8     uint64 tokens of its shard
+    32      8n    uint64 offset in the shard of each EOT, increasing
+
+so that document boundaries are read without reading the tokens (start-up O(shards + documents),
+not O(bytes)). The loader reads the offsets in stream coordinates, so a document that runs over
+a shard boundary (a shard not starting with EOT) is read as one document.
+
 manifest.json, written last (its presence means the dataset is complete):
 `{"version", "vocab_size", "eot_id", "dtype", "tokenizer": {kind, name, vocab_size, eot_id,
 sha256, pattern}, "source", "args", "stats", "shards": [{file, split, tokens, documents,
@@ -45,6 +60,8 @@ FORMAT_VERSION = 1
 MAGIC = b"LMFSHARD"
 _HEADER = struct.Struct("<8sIIQQ")
 HEADER_BYTES = _HEADER.size  # 32
+INDEX_MAGIC = b"LMFDOCIX"
+INDEX_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
@@ -72,11 +89,12 @@ def _fix_hint(path: Path) -> str:
             "with the same arguments to rebuild it")
 
 
-def atomic_write_bytes(path: Path, chunks, sha=None) -> None:
+def atomic_write_bytes(path: Path, chunks, sha=None, per_process: bool = False) -> None:
     """Write `chunks` (bytes-likes) to `path` via a temp name + rename, so a crash never leaves a
-    half-written file under the final name. Feeds each chunk to `sha` if given."""
+    half-written file under the final name. Feeds each chunk to `sha` if given. `per_process`:
+    a temp name of this process's own, for a file that several processes may write at once."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if per_process else f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -134,6 +152,42 @@ def read_header(path: Path | str) -> tuple[int, np.dtype, int, int]:
         raise ShardError(f"shard {path} is {size} bytes, header says "
                          f"{HEADER_BYTES + count * itemsize}; {_fix_hint(path)}")
     return version, _DTYPES[itemsize], count, vocab_size
+
+
+def index_path(shard: Path) -> Path:
+    return Path(shard).with_suffix(".idx")
+
+
+def write_doc_index(shard: Path | str, offsets: np.ndarray, shard_tokens: int,
+                    per_process: bool = False) -> None:
+    """Write the document index of `shard` (its EOT offsets) atomically beside it;
+    `per_process` when built at load, where every rank may write it at once."""
+    header = _HEADER.pack(INDEX_MAGIC, INDEX_VERSION, 0, len(offsets), shard_tokens)
+    atomic_write_bytes(index_path(Path(shard)), [header, np.ascontiguousarray(offsets, "<u8").data],
+                       per_process=per_process)
+
+
+def read_doc_index(shard: Path | str, shard_tokens: int) -> np.ndarray | None:
+    """The EOT offsets of `shard` as int64, validated (header, size, order, range); None when the
+    shard has no index (prepared before the index existed)."""
+    path = index_path(Path(shard))
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    fix = f"delete {path} (it is rebuilt from its shard on the next start)"
+    if len(raw) < HEADER_BYTES:
+        raise ShardError(f"document index {path} is truncated; {fix}")
+    magic, version, _, count, tokens = _HEADER.unpack(raw[:HEADER_BYTES])
+    if magic != INDEX_MAGIC or version != INDEX_VERSION:
+        raise ShardError(f"{path} is not a version-{INDEX_VERSION} lmforge document index; {fix}")
+    if tokens != shard_tokens or len(raw) != HEADER_BYTES + 8 * count:
+        raise ShardError(f"document index {path} does not match its shard ({tokens} vs "
+                         f"{shard_tokens} tokens, {len(raw)} bytes); {fix}")
+    offsets = np.frombuffer(raw, "<u8", offset=HEADER_BYTES).astype(np.int64)
+    if count and (offsets[-1] >= tokens or (np.diff(offsets) <= 0).any()):
+        raise ShardError(f"document index {path} is not increasing within its shard; {fix}")
+    return offsets
 
 
 def open_shard(path: Path | str) -> np.ndarray:
@@ -281,13 +335,18 @@ def check_shard(path: Path, info: ShardInfo, vocab_size: int, checksum: bool = T
 
 
 def verify(data_dir: Path | str) -> None:
-    """Check every shard's header, size and sha256 against the manifest; one ShardError that
-    lists every problem found."""
+    """Check every shard's header, size and sha256 against the manifest, and its document index
+    (where it has one) against its tokens; one ShardError that lists every problem found."""
     m = load_manifest(data_dir)
     problems = []
     for info in m.shards:
+        path = m.data_dir / info.file
         try:
-            check_shard(m.data_dir / info.file, info, m.vocab_size)
+            dtype = check_shard(path, info, m.vocab_size)
+            offsets = read_doc_index(path, info.tokens)
+            if offsets is not None and (map_tokens(path, dtype, info.tokens)[offsets] != m.eot_id).any():
+                raise ShardError(f"document index {index_path(path)} points at tokens that are not "
+                                 f"EOT; delete it (it is rebuilt from its shard on the next start)")
         except ShardError as e:
             problems.append(str(e))
     if problems:

@@ -8,6 +8,7 @@ checks the ranges before anything is read or written.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
 
@@ -17,9 +18,11 @@ from data_prep.prepare import PrepareConfig, prepare
 from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
 from data_prep.tokenizer import load_tokenizer_dir
 from launch.cli import ArgumentParser
+from pipeline.data_config import DataConfig
 from pipeline.typed_config import add_flags, from_flags, number
 
-NOT_FLAGS = ("out", "progress")  # --out is declared by hand (optional with --verify); --quiet
+NOT_FLAGS = ("out", "progress")
+ROWS_SEED = 1337  # train.seed's default (pipeline.config.TrainConfig; a test keeps them equal)  # --out is declared by hand (optional with --verify); --quiet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,16 +74,29 @@ def summary(m: Manifest) -> str:
 
 
 def inspect_main(argv: list[str] | None = None) -> int:
-    """`lmforge inspect DIR [--tokens N] [--seed S]`: manifest summary + a decoded random span."""
+    """`lmforge inspect DIR [--tokens N] [--seed S]`: manifest summary + a decoded random span;
+    with --rows N: the first N rows of training step 1, as the trainer's loader gives them."""
     p = ArgumentParser(prog="lmforge inspect",
-                       description="Summarise a prepared dataset and decode a sample.")
+                       description="Summarise a prepared dataset and decode a sample, or show "
+                                   "the rows the model trains on (--rows).")
     p.add_argument("dir", type=Path)
     p.add_argument("--tokens", type=number(int, 1), default=300,
                    help="tokens to decode (default 300)")
     p.add_argument("--seed", type=number(int, 0), default=None,
-                   help="pick the same place every time")
+                   help="pick the same place every time; with --rows: train.seed (default "
+                        f"{ROWS_SEED}, the trainer's)")
     p.add_argument("--split", default="train", choices=SPLITS)
+    p.add_argument("--rows", type=number(int, 1), help="show the first N rows of step 1")
+    p.add_argument("--seq-len", type=number(int, 1), default=DataConfig.seq_len,
+                   help=f"with --rows: data.seq_len (default {DataConfig.seq_len})")
+    p.add_argument("--align", choices=("doc", "stream"), default=DataConfig.align,
+                   help=f"with --rows: data.align (default {DataConfig.align})")
+    p.add_argument("--mix", default="", help="with --rows: data.mix, 'A:w,B:w' instead of DIR")
+    p.add_argument("--json", action="store_true",
+                   help='with --rows: print {"rows": [{"source", "ids", "continues"}, ...]}')
     args = p.parse_args(argv)
+    if args.rows:
+        return show_rows(args)
     m = load_manifest(args.dir)
     print(summary(m))
     paths = m.shard_paths(args.split)
@@ -95,4 +111,35 @@ def inspect_main(argv: list[str] | None = None) -> int:
     span = [int(t) for t in tokens[start:start + args.tokens]]
     print(f"--- {path.name} tokens [{start}, {start + len(span)}) ---")
     print(enc.decode(span, errors="replace"))
+    return 0
+
+
+def show_rows(args: argparse.Namespace) -> int:
+    """The first --rows rows of step 1: the trainer's loader on one process with a global batch
+    of that many rows (the draws and each source's order do not depend on the batch size)."""
+    # Here, not at the top: the trainer's modules import torch, which costs `lmforge prepare`
+    # seconds of start-up (bench/prepare_bench.py's fixed cost) that it never needs.
+    from pipeline.data import TrainLoader
+    from pipeline.data_config import validate_data
+    from pipeline.mixture import train_sources
+    d = DataConfig(path="" if args.mix else str(args.dir), mix=args.mix, align=args.align,
+                   seq_len=args.seq_len)
+    validate_data(d, max_steps=1)
+    sources, phases = train_sources(d, None)
+    seed = ROWS_SEED if args.seed is None else args.seed
+    step = TrainLoader(sources, args.rows, 1, 0, 1, seed, phases).next_step()
+    rows = [{"source": name, "ids": w[:n].tolist(), "continues": bool(c)}
+            for name, w, n, c in zip(step.sources, step.w, step.used, step.continues, strict=True)]
+    if args.json:
+        print(json.dumps({"rows": rows}))
+        return 0
+    enc = load_tokenizer_dir(Path(d.first_path) / "tokenizer")
+    eot = load_manifest(d.first_path).eot_id
+    for i, row in enumerate(rows):
+        start = "continues a document" if row["continues"] else "starts at a document start"
+        print(f"--- row {i} from {row['source']}: {len(row['ids'])} tokens, {start} ---")
+        docs = " ".join(str(j) for j, t in enumerate(row["ids"]) if t == eot)
+        print(f"(document starts, EOT at positions: {docs or 'none'})")
+        print(enc.decode(row["ids"], errors="replace").replace(
+            enc.decode([eot]), "\n<|doc|>"))
     return 0

@@ -27,6 +27,7 @@ from launch.cli import ArgumentParser
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
 from pipeline.distributed import DistInfo, distributed, stop_with_launcher
 from pipeline.metrics import get_logger, setup_logging
+from pipeline.mixture import describe_mixture, open_sources
 from pipeline.plan import meta_model
 from pipeline.plan import report as plan_report
 from pipeline.runlock import check_unlocked, run_lock
@@ -71,7 +72,7 @@ def count_params(cfg: JobConfig) -> int:
     """Parameters of the configured model, built on the meta device (no memory, no data read
     beyond the manifest; before `prepare` has run, the embedding is left out of the count)."""
     try:
-        model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.path).vocab_size)
+        model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.first_path).vocab_size)
     except DataError:
         model_cfg = replace(cfg.model, vocab_size=cfg.model.vocab_size or 1)
     return meta_model(model_cfg).num_params(exclude_embeddings=model_cfg.vocab_size == 1)
@@ -83,6 +84,7 @@ def dry_run(cfg: JobConfig, args: argparse.Namespace) -> int:
     plan = plan_report(cfg, nproc, args.nnodes, args.gpu, args.mfu)
     print(to_toml(cfg))
     print(describe(cfg, derived, count_params(cfg)))
+    print(describe_mixture(cfg.data, cfg.train.max_steps, cfg.train.global_batch_tokens))
     print()
     print(plan)
     return 0
@@ -125,7 +127,7 @@ def cli_main(argv: list[str]) -> int:
     # Config and data mistakes and a run directory in use: one line here, not one per rank
     # under a torchrun traceback.
     cfg = load_config(parsed.config, overrides)
-    load_manifest(cfg.data.path)
+    open_sources(cfg.data)
     check_unlocked(Path(cfg.log.out_dir))
     rest = _without_nproc(argv)
     torchrun = shutil.which("torchrun")

@@ -24,6 +24,14 @@ from typing import Any, Literal
 
 from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
+from pipeline.data_config import (  # noqa: F401 - the data section's types, re-exported
+    DATA_KEYS,
+    DataConfig,
+    PhaseConfig,
+    SourceConfig,
+    phase_start,
+    validate_data,
+)
 from pipeline.run_dir import RunDir
 from pipeline.typed_config import (  # noqa: F401 - ConfigError, parse_overrides: re-exported
     ConfigError,
@@ -41,14 +49,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 CALIBRATION_STEPS = 5
 """Steps timed before a time budget sizes the run (pipeline.budget; the first is excluded: it
 pays for allocation and compilation). optim.warmup_steps must be at least this."""
-
-
-@dataclass
-class DataConfig:
-    path: str = "data/pystdlib"
-    """Directory written by `lmforge prepare` (manifest.json and the shards)."""
-    seq_len: int = 256
-    """Tokens per training sequence; the loader reads windows of seq_len + 1 tokens."""
 
 
 @dataclass
@@ -232,6 +232,11 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file '{path}' not found") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+    # The data named on the command line replaces the file's, whichever way each names it.
+    if named := {k for k, _ in parse_overrides(list(overrides))} & {f"data.{k}" for k in DATA_KEYS}:
+        for key in DATA_KEYS:
+            if f"data.{key}" not in named:
+                d.get("data", {}).pop(key, None)
     return config_from_dict(apply_overrides(JobConfig, d, list(overrides)))
 
 
@@ -253,7 +258,7 @@ def validate(cfg: JobConfig) -> None:
                  "a finite number")
     m, d, t, o, e, s, c, lg = (cfg.model, cfg.data, cfg.train, cfg.optim, cfg.eval, cfg.sample,
                                cfg.checkpoint, cfg.log)
-    need(d.path != "", "data.path", "the directory written by `lmforge prepare`")
+    validate_data(d, t.max_steps)
     need(d.seq_len >= 1, "data.seq_len", ">= 1")
     need(d.seq_len <= m.max_seq_len, "data.seq_len", f"<= model.max_seq_len ({m.max_seq_len})")
     need(t.seed >= 0, "train.seed", ">= 0")
@@ -394,6 +399,8 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # a table in a list (data.sources): an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

@@ -206,10 +206,10 @@ def planned_model(cfg: JobConfig) -> tuple[ModelConfig, str]:
     if cfg.model.vocab_size:
         return cfg.model, f"vocab {cfg.model.vocab_size} (config)"
     try:
-        vocab = load_manifest(cfg.data.path).vocab_size
-        return replace(cfg.model, vocab_size=vocab), f"vocab {vocab} (from {cfg.data.path})"
+        vocab = load_manifest(cfg.data.first_path).vocab_size
+        return replace(cfg.model, vocab_size=vocab), f"vocab {vocab} (from {cfg.data.first_path})"
     except DataError:
-        note = (f"vocab {GPT2_VOCAB} assumed (GPT-2; no prepared data at {cfg.data.path}: "
+        note = (f"vocab {GPT2_VOCAB} assumed (GPT-2; no prepared data at {cfg.data.first_path}: "
                 "set --model.vocab_size)")
         return replace(cfg.model, vocab_size=GPT2_VOCAB), note
 

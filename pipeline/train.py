@@ -36,12 +36,13 @@ from pipeline.config import (
     describe,
     save_resolved,
 )
-from pipeline.data import TokenWindows, TrainLoader
+from pipeline.data import TrainLoader
 from pipeline.distributed import DistInfo, all_reduce_max, all_reduce_sum
-from pipeline.evaluate import eval_batches, evaluate
+from pipeline.evaluate import evaluate
 from pipeline.hardware import dtype_name, matmul_peak, peak_flops, to_device
 from pipeline.materialize import meta_gpt
 from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
+from pipeline.mixture import ValSet, is_mixture, train_sources, val_sets
 from pipeline.optim import apply_schedule, build_optimizer
 from pipeline.parallelize import (
     ParallelModel,
@@ -79,23 +80,21 @@ class TrainData:
     tokenizer_dir: Path  # copied into every checkpoint
     token_bytes: torch.Tensor  # UTF-8 bytes of each token id, for bits per byte
     loader: TrainLoader
-    val: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's eval batches
+    val: list[ValSet]  # this rank's eval batches of each source with a val split
+    mixture: bool  # more than one source, or phases: per-source metrics
 
 
 def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, eval_cfg: EvalConfig, *,
                vocab_size: int, grad_accum_steps: int, info: DistInfo) -> TrainData:
-    tokenizer_dir = Path(data_cfg.path) / "tokenizer"
+    tokenizer_dir = Path(data_cfg.first_path) / "tokenizer"  # every source's (checked)
     tokenizer = load_tokenizer_dir(tokenizer_dir)
-
-    def windows(split: str) -> TokenWindows:
-        return TokenWindows(data_cfg.path, split, data_cfg.seq_len, vocab_size)
-
-    loader = TrainLoader(windows("train"), train_cfg.micro_batch_size, grad_accum_steps,
-                         info.rank, info.world_size, train_cfg.seed)
-    val = eval_batches(windows("val"), eval_cfg.batch_size, info.rank, info.world_size,
-                       eval_cfg.tokens)
+    sources, phases = train_sources(data_cfg, vocab_size)
+    loader = TrainLoader(sources, train_cfg.micro_batch_size, grad_accum_steps, info.rank,
+                         info.world_size, train_cfg.seed, phases,
+                         max_steps=lambda: train_cfg.max_steps)  # a time budget may change it
+    val = val_sets(data_cfg, eval_cfg, vocab_size, info.rank, info.world_size)
     token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).long()
-    return TrainData(tokenizer, tokenizer_dir, token_bytes, loader, val)
+    return TrainData(tokenizer, tokenizer_dir, token_bytes, loader, val, is_mixture(data_cfg))
 
 
 def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) -> list[list[int]]:
@@ -227,7 +226,7 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.log.out_dir)
         self.length = RunLength(cfg, info, self.run_dir)  # first: the budget covers the set-up
-        self.model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.path).vocab_size)
+        self.model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.first_path).vocab_size)
         grad_accum_steps = self.derived.grad_accum_steps  # a batch that does not divide: error
         resume_from = ckpt.find_resume(cfg.checkpoint.resume, self.run_dir)
         resume_meta = None if resume_from is None else ckpt.read_resumable(resume_from,
@@ -289,9 +288,11 @@ class Trainer:
         update. Returns (mean loss over the global batch, grad norm, stop requested by any rank)."""
         cfg, info, pm = self.cfg, self.info, self.parallel
         micro_batches = self.data.loader.next_micro_batches()
-        # Sum token losses and divide by the tokens of the whole step, so the gradient is the
-        # same for any split into ranks and accumulation steps (DDP/FSDP average over ranks).
-        tokens_per_rank = self.derived.tokens_per_micro_step * len(micro_batches)
+        # Sum token losses and divide by the targets of the whole step (padding of doc rows not
+        # counted), so the gradient is the same for any split into ranks and accumulation steps
+        # (DDP/FSDP average over ranks). Every rank knows the step's count: no collective.
+        step_targets = self.data.loader.step_targets
+        tokens_per_rank = step_targets / info.world_size
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         for i, (x_BT, y_BT) in enumerate(micro_batches):
             x_BT, y_BT = to_device(x_BT, info.device), to_device(y_BT, info.device)
@@ -311,7 +312,7 @@ class Trainer:
         # The step's one host-device sync (the skip decision needs it): loss, stop flag and grad
         # norm come back in a single transfer.
         loss_total, stop_total, grad_norm = torch.cat([totals, norm.double().reshape(1)]).tolist()
-        mean_loss = loss_total / cfg.train.global_batch_tokens
+        mean_loss = loss_total / step_targets
         if math.isfinite(mean_loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             self.bad_steps = 0
@@ -325,10 +326,21 @@ class Trainer:
     # ---- hooks ------------------------------------------------------------------------------
 
     def run_eval(self, n_batches: int | None = None) -> dict:
-        result = evaluate(self.parallel.module, self.data.val[:n_batches], self.data.token_bytes,
-                          self.info, precision=self.precision)
-        return {"val_loss": result.loss, "val_ppl": result.perplexity,
-                "val_bpb": result.bits_per_byte}
+        """val_loss/ppl/bpb; of a mixture, per source (val_loss/NAME, val_bpb/NAME) and the
+        sources' weighted mean (see pipeline/mixture.py)."""
+        record, means = {}, {"val_loss": 0.0, "val_bpb": 0.0}
+        total = sum(v.weight for v in self.data.val)
+        for v in self.data.val:
+            result = evaluate(self.parallel.module, v.batches[:n_batches], self.data.token_bytes,
+                              self.info, precision=self.precision)
+            share = v.weight / total if total else 1 / len(self.data.val)
+            means["val_loss"] += share * result.loss
+            means["val_bpb"] += share * result.bits_per_byte
+            if self.data.mixture:
+                record |= {f"val_loss/{v.name}": result.loss, f"val_bpb/{v.name}":
+                           result.bits_per_byte}
+        return {"val_loss": means["val_loss"], "val_ppl": math.exp(means["val_loss"]),
+                "val_bpb": means["val_bpb"]} | record
 
     def run_samples(self) -> list[str]:
         """Rank 0 generates from an unsharded eager copy (all ranks join the weight gather)."""
@@ -385,7 +397,7 @@ class Trainer:
         self.run_eval(n_batches=1)
         t0 = budget.now()
         self.run_eval(n_batches=1)
-        eval_s = (budget.now() - t0) * len(self.data.val)
+        eval_s = (budget.now() - t0) * sum(len(v.batches) for v in self.data.val) / len(self.data.val)
         t0 = budget.now()
         self.run_samples()
         return budget.HookCosts.estimate(eval_s, budget.now() - t0, self.model.num_params())
@@ -447,6 +459,9 @@ class Trainer:
         mfu = self.flops_per_token * tok_s / peak if peak else None
         record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
                   "mfu": mfu, "tokens": self.step * step_tokens, "epoch": self.data.loader.epoch}
+        if self.data.mixture:
+            for name, c in self.data.loader.cursors.items():
+                record |= {f"tokens/{name}": c["tokens"], f"epoch/{name}": c["epoch"]}
         progress.update(self.step, loss, lr, tok_s, mfu)
         if self.bad_steps >= cfg.train.max_bad_steps:
             raise TrainingStopped(

@@ -143,7 +143,13 @@ def check(key: str, value: Any, tp: Any) -> Any:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise bad_value(key, value, f"a list of {type_name(item)}")
-        return [check(key, v, item) for v in value]
+        # A table in a list is named by its index, where its own keys follow (data.sources[1].x).
+        index = dataclasses.is_dataclass(item)
+        return [check(f"{key}[{i}]" if index else key, v, item) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad_value(key, value, f"a table of {', '.join(field_types(tp))}")
+        return build(tp, key, value, [f"{key}.{k}" for k in field_types(tp)])
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     # bool is a subclass of int: `max_steps = true` must not pass as 1.
@@ -164,19 +170,23 @@ def from_dict(root: type, d: dict[str, Any]) -> Any:
             raise unknown_key(name, list(sections) + section_keys(root))
         if not isinstance(values, dict):
             raise ConfigError(f"'{name}' must be a section ([{name}] in TOML), got {values!r}")
-    built = {}
-    for name, cls in sections.items():
-        types_ = field_types(cls)
-        kwargs = {}
-        for key, value in d.get(name, {}).items():
-            if key not in types_:
-                raise unknown_key(f"{name}.{key}", section_keys(root))
-            kwargs[key] = check(f"{name}.{key}", value, types_[key])
-        try:
-            built[name] = cls(**kwargs)
-        except ValueError as e:  # a section that checks its own shapes (ModelConfig)
-            raise ConfigError(str(e)) from None
-    return root(**built)
+    return root(**{name: build(cls, name, d.get(name, {}), section_keys(root))
+                   for name, cls in sections.items()})
+
+
+def build(cls: type, where: str, values: dict[str, Any], candidates: list[str]) -> Any:
+    """A `cls` from a dict (a section, or a table in a list such as data.sources): every key
+    known and type-checked, the missing ones at their defaults."""
+    types_ = field_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in types_:
+            raise unknown_key(f"{where}.{key}", candidates)
+        kwargs[key] = check(f"{where}.{key}", value, types_[key])
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section that checks its own shapes (ModelConfig)
+        raise ConfigError(str(e)) from None
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, str]]:

@@ -176,7 +176,7 @@ def test_checkpoint_meta_is_typed_versioned_and_round_trips(trained, tmp_path):
     step = run_dir / "checkpoints" / "step_00000002"
     meta = ckpt.read_meta(step)
     assert isinstance(meta, ckpt.CheckpointMeta) and isinstance(meta.config, JobConfig)
-    assert meta.config.eval.batch_size == 3 and meta.loader["position"] > 0 and meta.parent_step is None
+    assert meta.config.eval.batch_size == 3 and meta.loader["step"] > 0 and meta.parent_step is None
     assert ckpt.CheckpointMeta.from_json(meta.to_json(), step) == meta
     raw = json.loads((step / "meta.json").read_text())
     assert "parallel" not in raw and raw["version"] == ckpt.VERSION

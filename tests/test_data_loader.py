@@ -81,7 +81,8 @@ def test_each_window_once_per_epoch(data, world):
 def test_epochs_roll_over_with_new_order(data):
     steps, state, loader = run(data, 2 * 6 + 1, world=2, accum=2)  # 55 windows, 8 per step: 6 steps/epoch
     assert loader.steps_per_epoch == 6
-    assert state["epoch"] == 2 and state["position"] == 8
+    cursor = state["sources"]["train"]
+    assert cursor["epoch"] == 2 and cursor["position"] == 8
     assert steps[0] != steps[6]  # each epoch is a fresh permutation
 
 
@@ -107,7 +108,7 @@ def test_state_round_trip_is_bit_identical(data, tmp_path):
     torch.save(loader.state_dict(), tmp_path / "loader.pt")
     expected = [loader.next_micro_batches() for _ in range(8)]
     state = torch.load(tmp_path / "loader.pt", weights_only=True)
-    assert all(type(v) is int for v in state.values())
+    assert all(type(v) is int for v in state["sources"]["train"].values())
     resumed = TrainLoader(TokenWindows(data, "train", SEQ, VOCAB), 2, 2, 1, 2, seed=3)
     resumed.load_state_dict(state)
     for want, got in zip(expected, [resumed.next_micro_batches() for _ in range(8)], strict=True):
@@ -125,7 +126,7 @@ def test_resume_on_another_world_size(data, before, after):
 
 def test_resume_rejects_other_data_order(data):
     _, state, _ = run(data, 1, 1, 1)
-    with pytest.raises(DataError, match="same data.path, data.seq_len and train.seed"):
+    with pytest.raises(DataError, match="same data.path, data.sources, data.align, data.seq_len and train.seed"):
         run(data, 1, 1, 1, seed=5, state=state)
 
 

@@ -141,7 +141,7 @@ def test_corrupted_shard_is_caught_by_the_training_loader(tiny_data, tmp_path):
     # Start-up checks headers and sizes only (no hashing: O(shards), not O(bytes)); a damaged
     # payload is caught when a token it yields leaves the vocabulary, on the read that meets it.
     # (An in-vocabulary change is left to `lmforge prepare --verify`, tested in test_data_prep.)
-    first_token = int(trainer.data.loader._order_of(0)[0]) * trainer.cfg.data.seq_len
+    first_token = int(trainer.data.loader._order_of("data", 0)[0]) * trainer.cfg.data.seq_len
     shard = data / "train_000000.bin"
     raw = bytearray(shard.read_bytes())
     raw[HEADER_BYTES + 2 * first_token + 1] ^= 0xFF  # high byte of a uint16 id of step 1's first window

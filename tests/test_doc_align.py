@@ -1,0 +1,191 @@
+"""data.align = doc: rows that start at document starts, on shards whose documents run over shard
+boundaries; the document index (written by prepare, built once when absent); `lmforge inspect
+--rows --json` equals the trainer's loader; the mixture's bad inputs, one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.shards import (
+    FORMAT_VERSION,
+    Manifest,
+    ShardError,
+    ShardInfo,
+    index_path,
+    load_manifest,
+    open_shard,
+    read_doc_index,
+    shard_name,
+    verify,
+    write_doc_index,
+    write_shard,
+)
+from model.model import IGNORE_INDEX
+from pipeline.data import Source, TokenWindows, TrainLoader
+from pipeline.rows import DocRows
+from tests.launch_utils import ROOT, TINY_ARGS, env
+
+EOT, VOCAB, SEQ = 0, 1000, 16
+
+
+def docs_over_shards(path, seed=0):
+    """Documents [EOT, t...] of random lengths (1 to 3 rows long) cut into shards at arbitrary
+    points, so that documents cross shard boundaries (the second shard does not open with EOT)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 3 * (SEQ + 1), size=60)
+    stream = np.concatenate([np.concatenate([[EOT], rng.integers(1, VOCAB, n - 1)]) for n in lengths])
+    cuts = [0, 157, 158, 611, len(stream)]
+    infos = []
+    for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        name = shard_name("train", k)
+        sha = write_shard(path / name, stream[a:b], VOCAB)
+        infos.append(ShardInfo(name, "train", b - a, 1, sha))
+    Manifest(version=FORMAT_VERSION, vocab_size=VOCAB, eot_id=EOT, tokenizer={}, source="test",
+             args={}, shards=infos).save(path)
+    return stream, lengths
+
+
+def test_every_row_but_continuations_starts_with_eot(tmp_path):
+    stream, lengths = docs_over_shards(tmp_path)
+    rows = DocRows(TokenWindows(tmp_path, "train", SEQ, VOCAB))
+    w, used = rows.read(range(rows.num_rows))
+    cont = rows.continues(range(rows.num_rows))
+    assert (w[~cont, 0] == EOT).all() and (w[cont, 0] != EOT).all()
+    # Every next-token pair of the stream is trained once: the pairs of all rows (padding out).
+    pairs = sorted((int(a), int(b)) for r, n in zip(w, used, strict=True)
+                   for a, b in zip(r[:n - 1], r[1:n], strict=True) if b != EOT)
+    assert pairs == sorted((int(a), int(b)) for a, b in zip(stream[:-1], stream[1:], strict=True)
+                           if b != EOT)
+    # Only a document longer than a row has continuation rows.
+    assert cont.sum() == sum((n - 2) // SEQ for n in lengths if n > SEQ + 1)
+    assert (used[cont] == SEQ + 1).all()  # continuation rows are full
+    assert 0 < rows.padding < 0.05
+
+
+def test_index_built_once_when_absent_and_validated(tmp_path):
+    docs_over_shards(tmp_path)
+    shard = tmp_path / shard_name("train", 0)
+    assert not index_path(shard).exists()  # written by hand, as by a prepare before the index
+    first = DocRows(TokenWindows(tmp_path, "train", SEQ, VOCAB))
+    assert index_path(shard).is_file()
+    again = DocRows(TokenWindows(tmp_path, "train", SEQ, VOCAB))  # read, not rebuilt
+    assert (first.seg_start == again.seg_start).all()
+    raw = bytearray(index_path(shard).read_bytes())
+    raw[-1] ^= 0x7F
+    index_path(shard).write_bytes(bytes(raw))
+    with pytest.raises(ShardError, match="document index"):
+        read_doc_index(shard, 157)
+
+
+def test_prepare_writes_the_index_and_verify_checks_it(tiny_data, tmp_path):
+    m = load_manifest(tiny_data)
+    for info in m.shards:
+        shard = tiny_data / info.file
+        offsets = read_doc_index(shard, info.tokens)
+        assert len(offsets) == info.documents
+        assert (np.flatnonzero(np.asarray(open_shard(shard)) == m.eot_id) == offsets).all()
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shard = data / m.shards[0].file
+    offsets = read_doc_index(shard, m.shards[0].tokens)
+    offsets[1] += 1  # off its EOT, still increasing
+    write_doc_index(shard, offsets, m.shards[0].tokens)
+    with pytest.raises(ShardError, match="not EOT"):
+        verify(data)
+
+
+def test_loader_rows_carry_padding_as_ignored_targets(tmp_path):
+    docs_over_shards(tmp_path)
+    rows = DocRows(TokenWindows(tmp_path, "train", SEQ, VOCAB))
+    loader = TrainLoader([Source("t", rows)], 4, 2, 0, 1, seed=0)
+    for _ in range(rows.num_rows // 8):
+        step = loader.next_step()
+        loader.step -= 1  # the same step again, through next_micro_batches
+        for c in loader.cursors.values():
+            c["position"] -= 8
+        batches = loader.next_micro_batches()
+        y = torch.cat([y for _, y in batches])
+        assert int((y != IGNORE_INDEX).sum()) == loader.step_targets == int((step.used - 1).sum())
+        assert ((y == IGNORE_INDEX).sum(1).numpy() == SEQ + 1 - step.used).all()
+
+
+def test_inspect_json_equals_the_trainers_loader(tiny_data, tmp_path):
+    from launch.train import parse_args
+    from pipeline.config import load_config
+    from pipeline.distributed import DistInfo
+    from pipeline.train import Trainer
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_data, other)
+    mix = f"{tiny_data}:0.6,{other}:0.4"
+    args = [*TINY_ARGS, "--data.mix", mix, "--data.align", "doc", "--log.out_dir",
+            str(tmp_path / "run")]
+    cfg = load_config(None, parse_args(args)[1])
+    trainer = Trainer(cfg, DistInfo(rank=0, world_size=1, local_rank=0,
+                                    device=torch.device("cpu")))
+    want = []
+    for x, y in trainer.data.loader.next_micro_batches():
+        for xr, yr in zip(x.tolist(), y.tolist(), strict=True):
+            want.append([xr[0]] + [t for t in yr if t != IGNORE_INDEX])
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "inspect", str(tiny_data),
+                          "--rows", "6", "--seq-len", "64", "--align", "doc", "--mix", mix,
+                          "--seed", str(cfg.train.seed), "--json"],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["ids"] for r in rows] == want[:6]
+    assert {r["source"] for r in rows} <= {"pystdlib", "other"}
+    assert all(r["continues"] or r["ids"][0] == trainer.data.tokenizer.eot_token for r in rows)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--data.mix", "{a}:0,{a}:1"], "weight"),
+    (["--data.mix", "{a}:nan,{b}:1"], "weight"),
+    (["--data.sources", '[{{path = "{a}"}}]'], "weight"),
+    (["--data.mix", "{a}:1,{missing}:1"], "does not exist"),
+    (["--data.mix", "{a}:1,{unprepared}:1"], "no manifest.json"),
+    (["--data.mix", "{a}:1,{foreign}:1"], "different tokenizers"),
+    (["--data.path", "{a}", "--data.sources", '[{{path = "{b}", weight = 1}}]'], "both set"),
+    (["--data.mix", "{a}:1", "--data.phases",
+      '[{{from_step = 0.5, sources = [{{path = "{a}", weight = 1}}]}}, '
+      '{{from_step = 0.25, sources = [{{path = "{a}", weight = 1}}]}}]'], "previous"),
+])
+def test_bad_mixtures_are_one_line_exit_2(tiny_data, tmp_path, extra, message):
+    foreign = tmp_path / "foreign"
+    if not foreign.exists():
+        shutil.copytree(tiny_data, foreign)
+        m = json.loads((foreign / "manifest.json").read_text())
+        m["tokenizer"]["sha256"] = "0" * 64  # another vocabulary file
+        (foreign / "manifest.json").write_text(json.dumps(m))
+        (tmp_path / "unprepared").mkdir()
+    paths = {"a": tiny_data, "b": foreign, "missing": tmp_path / "nope",
+             "unprepared": tmp_path / "unprepared", "foreign": foreign}
+    args = [a.format(**paths) for a in extra]
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "train", *TINY_ARGS,
+                          "--log.out_dir", str(run_dir), *args],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_prepare_and_inspect_start_without_torch():
+    """`lmforge prepare` never needs torch (seconds of start-up, bench/prepare_bench.py's fixed
+    cost); inspect --rows imports the trainer's loader only when asked, with its default seed."""
+    from launch.prepare import ROWS_SEED
+    from pipeline.config import TrainConfig
+
+    assert ROWS_SEED == TrainConfig.seed
+    out = subprocess.run([sys.executable, "-c", "import sys, launch.prepare; "
+                          "print('torch' in sys.modules)"], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
