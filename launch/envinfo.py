@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import hardware
-from pipeline.parallelize import resolve_compile
+from pipeline.compile_policy import resolve_compile
 
 PACKAGES = ("numpy", "transformers", "datasets", "tiktoken", "safetensors", "accelerate", "wandb")
 
