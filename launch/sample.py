@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
     ids = encode_prompt(enc, prompt)
     sampling = fit_to_context(sampling, len(ids), ckpt.config.max_seq_len)
-    dtype = resolve_dtype(args.dtype, device)  # after every check: a mistake costs no probe
+    dtype = resolve_dtype(args.dtype, device, "sample")  # after every check: costs no probe
     seed = random.randrange(2**31) if args.seed is None else args.seed
     if args.seed is None:
         print(f"note: seed {seed} (pass --seed {seed} to repeat)", file=sys.stderr)
