@@ -377,6 +377,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--no-memory", action="store_true", help="skip the micro-batch estimate")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold-compile measurement")
     p.add_argument("--shapes", default="AB", help="which shapes to time (default: both, AB)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
@@ -441,7 +442,7 @@ def main() -> None:
                   f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s")
         lines += summary(s, med, mem, here, mfu, native=dtype == torch.bfloat16)
     print("\n" + "\n".join(lines))
-    if ("lmforge", True) in impls and device.type == "cpu" and not a.quick:
+    if ("lmforge", True) in impls and device.type == "cpu" and not (a.quick or a.no_cold):
         cold_compile(shapes, base, res)
     if "A" in shapes and not (a.quick or a.no_memory):
         memory_section(replace(base, vocab=shapes["A"]), impls)
