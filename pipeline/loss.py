@@ -12,9 +12,10 @@ math (`_Chunked` below, by chunks of tokens: memory O(chunk·V), no B×T×V logi
   CPU in fp32 the chunk's logits come from oneDNN's linear instead (a fresh output, but a faster
   product there; bench/results/train_bench_avx2.txt): the one kernel chosen for one CPU kind.
 - `FusedLoss` (compiled runs): the same chunk loop in functional ops, traced by torch.compile
-  with the model (or alone, `compiled_alone`, under FSDP2 where the blocks are compiled apart).
-  Inductor fuses each chunk's upcast, log-sum-exp, softmax - one_hot and cast into two passes and
-  plans one buffer for all the chunks; at most one chunk of tokens, that is the whole logits.
+  with the model (or alone under FSDP2, where the blocks are compiled apart: `select_loss`).
+  Inductor fuses each chunk's upcast, log-sum-exp, softmax - one_hot and cast into a few passes
+  and plans the chunks' buffers within one graph (no eager allocation per op); at most one chunk
+  of tokens, that is the whole logits in the graph.
 
 Summed or averaged, the gradients are computed chunk by chunk in the forward pass, where the
 logits are at hand, and only scaled in backward. Per token ("none"), the upstream gradient
