@@ -76,7 +76,7 @@ def step_check(device: torch.device, smoke: bool) -> dict:
 
     def step() -> None:
         with pm.autocast():
-            loss = pm.module(x_BT, y_BT)
+            loss = pm.loss(x_BT, y_BT)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

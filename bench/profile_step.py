@@ -17,31 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_bench as tb  # noqa: E402
-
-# First matching substring of the op name wins.
-CATEGORIES = [
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-                "mkldnn::_linear_pointwise")),
-    ("attention", ("scaled_dot_product", "flash_attention")),
-    ("softmax / cross-entropy", ("softmax", "logsumexp", "nll_loss", "cross_entropy", "aten::exp",
-                                 "aten::gather", "aten::scatter")),
-    ("optimizer", ("_foreach", "adam", "Optimizer.step", "clip_grad", "aten::norm",
-                   "linalg_vector_norm")),
-    ("compiled kernels (fused)", ("CompiledFunction", "Torch-Compiled Region", "cpp_fused",
-                                  "graph_")),
-    ("embedding", ("embedding",)),
-    ("copies / allocation", ("aten::copy_", "aten::empty", "aten::zeros", "aten::zero_",
-                             "aten::fill_", "aten::clone", "aten::cat", "aten::contiguous",
-                             "aten::to", "aten::_to_copy")),
-]
-
-
-def category(op: str) -> str:
-    low = op.lower()
-    for cat, keys in CATEGORIES:
-        if any(k.lower() in low for k in keys):
-            return cat
-    return "other elementwise / framework"
+from profile_ops import category, profile_steps  # noqa: E402
 
 
 def main() -> None:
@@ -51,16 +27,17 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     a = p.parse_args()
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from pipeline.hardware import auto_dtype, dtype_name
 
     vocab = tb.SHAPES[a.shape]
     device = torch.device("cpu")
-    run = tb.Run(a.impl, vocab, a.compile, str(device), dtype_name(auto_dtype(device)[0]), **tb.FULL)
+    dtype = dtype_name(auto_dtype(device)[0]) if a.dtype == "auto" else a.dtype
+    run = tb.Run(a.impl, vocab, a.compile, str(device), dtype, **tb.FULL)
     one_step = tb.training_step(run)
     for _ in range(2):
         one_step()
@@ -69,11 +46,7 @@ def main() -> None:
         one_step()
     wall = (time.perf_counter() - t0) / a.steps
     faults = (tb.minor_faults() - faults0) / a.steps
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(a.steps):
-            one_step()
-
-    events = prof.key_averages()
+    events = profile_steps(one_step, a.steps, str(device))
     total = sum(e.self_cpu_time_total for e in events) / a.steps
     by_cat = defaultdict(float)
     for e in events:

@@ -14,10 +14,14 @@ configurations interleaved round after round:
 on a noisy machine only ratios measured in the same run mean anything, and the spread shows
 how much. A training step is the same for all: forward + mean cross-entropy (under bf16 autocast
 when the dtype is bf16), backward, gradient clipping at 1.0, AdamW. lmforge's step is the
-pipeline's (parallelize: compile of the forward, with the loss when its logits fit one chunk, as
-at B; the chunked loss stays eager, as at A); the references are compiled whole (model + loss).
-Peak memory is the process's peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA. `faults`
-is the minor page faults of a step (a fresh big tensor costs one per 4 KiB on CPU). Then: the cold
+pipeline's (parallelize and its loss, ParallelModel.loss: eager, pipeline.loss.ChunkedLoss;
+compiled, the forward with FusedLoss in its graph); the references are compiled whole (model +
+loss). MFU is against the peak measured in the run's dtype. Peak memory is the process's peak
+RSS on CPU, torch.cuda.max_memory_allocated on CUDA. `faults` is the minor page faults of a step
+(a fresh big tensor costs one per 4 KiB on CPU). `mm ms` is a step's matmul time from the
+profiler (PROFILED_STEPS profiled steps after the timed ones), `other` the rest of the
+unprofiled step: what fusion can cut. Each shape ends with the issue's targets, ok or MISSED
+(bf16-native ones where the dtype is bf16, else an fp32 CPU's no-regression ones). Then: the cold
 compile (CPU: what train.compile=auto weighs), and memory at shape A (peak at batch 1 and 8, the
 largest micro-batch lmforge fits in HF's peak, searched). bench/profile_step.py shows where a
 step's time goes.
@@ -42,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,14 @@ class Run:
     n_head: int = 4
     seq_len: int = 256
     d_mlp: int = 688
+    profile: bool = True  # time a profiled step's matmuls after the timed ones
 
 
 FULL = dict(d_model=256, n_layer=4, n_head=4, seq_len=256, d_mlp=688)
 SMOKE = dict(d_model=64, n_layer=2, n_head=4, seq_len=64, d_mlp=172)
 SHAPES = {"A": 50257, "B": 4096}  # real vocabulary; the heads pad it to a multiple of 64
 SMOKE_SHAPES = {"A": 2048, "B": 256}
+PROFILED_STEPS = 2
 IMPLS = [("lmforge", False), ("lmforge", True), ("gpt2", True), ("hf", False), ("hf", True)]
 SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 
@@ -84,9 +91,9 @@ def build_lmforge(r: Run, device):
                             n_kv_head=r.n_head, d_model=r.d_model, d_mlp=r.d_mlp,
                             max_seq_len=r.seq_len)).to(device)
     precision = Precision(DTYPES[r.dtype], device)
-    trained = parallelize(model, info, parallel="none", precision=precision,
-                          compile_model=r.compiled, activation_checkpointing=False).module
-    return model, trained, build_optimizer(trained, OptimConfig(), device)
+    pm = parallelize(model, info, parallel="none", precision=precision,
+                     compile_model=r.compiled, activation_checkpointing=False)
+    return model, pm.loss, build_optimizer(pm.module, OptimConfig(), device)  # the pipeline's loss
 
 
 def build_gpt2(r: Run, device):
@@ -207,6 +214,8 @@ def memory_kind(device: str) -> str:
 
 
 def worker(r: Run) -> dict:
+    from profile_ops import matmul_ms
+
     one_step = training_step(r)
     base_mb = memory_mb(r.device, peak=False)
     times, faults = [], []
@@ -215,11 +224,16 @@ def worker(r: Run) -> dict:
         one_step()
         times.append(time.perf_counter() - t0)
         faults.append(minor_faults() - f0)
-    peak_mb = memory_mb(r.device, peak=True)
-    return {"tok_s": r.batch * r.seq_len / statistics.median(times[2:]), "first_step_s": times[0],
-            "steady_s": statistics.median(times[2:]), "peak_mb": peak_mb,
+    peak_mb = memory_mb(r.device, peak=True)  # before the profiler's own allocations
+    steady_s = statistics.median(times[2:])
+    # The profiler slows the framework, not the kernels: a profiled step's matmul time against
+    # the unprofiled step time leaves what is not matmul (what compile and fusion can cut).
+    mm_ms = matmul_ms(one_step, PROFILED_STEPS, r.device) if r.profile else float("nan")
+    return {"tok_s": r.batch * r.seq_len / steady_s, "first_step_s": times[0],
+            "steady_s": steady_s, "peak_mb": peak_mb,
             "base_mb": base_mb, "train_mb": peak_mb - base_mb,
-            "faults_per_step": statistics.median(faults[2:])}
+            "faults_per_step": statistics.median(faults[2:]),
+            "matmul_ms": mm_ms, "non_matmul_ms": steady_s * 1e3 - mm_ms}
 
 
 def measure(r: Run, env=None) -> dict:
@@ -250,7 +264,8 @@ def memory_section(base: Run, impls: list[tuple[str, bool]]) -> None:
     fit = {}
 
     def peak(impl, comp, batch):
-        return measure(replace(base, impl=impl, compiled=comp, steps=2, batch=batch), env)
+        return measure(replace(base, impl=impl, compiled=comp, steps=2, batch=batch,
+                               profile=False), env)
 
     for impl, comp in configs:
         small, big = peak(impl, comp, 1), peak(impl, comp, B0)
@@ -284,12 +299,13 @@ def memory_section(base: Run, impls: list[tuple[str, bool]]) -> None:
 
 def cold_compile(shapes: dict[str, int], base: Run, res: dict) -> None:
     """lmforge's first compiled step with an empty inductor cache, less a steady step: the cost
-    train.compile = auto weighs on CPU (pipeline.parallelize.CPU_COLD_COMPILE_S), and what the
-    measured gain repays it in."""
+    train.compile = auto allows for on CPU (pipeline.compile_policy.COLD_COMPILE_ALLOWANCE_S per
+    graph), and what the measured gain repays it in."""
     print("\ncold compile of lmforge (empty inductor cache; first step - steady step):")
     for s, vocab in shapes.items():
         with tempfile.TemporaryDirectory() as cache:
-            r = measure(replace(base, impl="lmforge", vocab=vocab, compiled=True, steps=2),
+            r = measure(replace(base, impl="lmforge", vocab=vocab, compiled=True, steps=2,
+                                profile=False),
                         env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
         gain = (statistics.median(x["tok_s"] for x in res[s, "lmforge", True])
                 / statistics.median(x["tok_s"] for x in res[s, "lmforge", False]))
@@ -321,14 +337,43 @@ def describe(device, dtype_arg: str):
                          f"{dtype_name(dtype)} matmul peak {peak_s}")
 
 
-def summary(s: str, med: dict, peak_mb: dict, best: tuple[str, bool]) -> str:
-    """The issue's three ratios for one shape: lmforge's best setting against each peer's best."""
-    lm = med[best]
+def pct(mfu: float | None) -> str:
+    return f"{mfu:6.1%}" if mfu is not None else f"{'n/a':>6}"
+
+
+def summary(s: str, med: dict, peak_mb: dict, res: dict, mfu: dict, native: bool) -> list[str]:
+    """lmforge's best setting at one shape against the issue's targets (bf16-native CPU or GPU:
+    `native`; else an fp32 CPU's no-regression targets), one line each, ok or MISSED."""
+    lm = [k for k in med if k[0] == "lmforge"]
+    best = max(lm, key=med.get)
     refs = {impl: max((k for k in med if k[0] == impl), key=med.get) for impl in ("gpt2", "hf")}
-    hf_mem = min(v for k, v in peak_mb.items() if k[0] == "hf")
-    return (f"{s}: {name(*best)} {lm:,.0f} tok/s = {lm / med[refs['gpt2']]:.2f}x {name(*refs['gpt2'])}, "
-            f"{lm / med[refs['hf']]:.2f}x {name(*refs['hf'])}; peak memory {peak_mb[best] / hf_mem:.2f}x "
-            f"HF's lowest")
+    peer = max(refs.values(), key=med.get)
+    nm = {k: statistics.median(r["non_matmul_ms"] for r in v) for k, v in res.items()}
+    mm = {k: statistics.median(r["matmul_ms"] for r in v) for k, v in res.items()}
+    hf_eager_mem = peak_mb.get(("hf", False), min(v for k, v in peak_mb.items() if k[0] == "hf"))
+
+    def line(what, value, target, ok):
+        return f"  {s}: {what} = {value} (target {target}) {'ok' if ok else 'MISSED'}"
+
+    speed = med[best] / med[peer]
+    out = [f"{s}: lmforge's best is {name(*best)}, {med[best]:,.0f} tok/s",
+           line(f"{name(*best)} / best peer {name(*peer)}", f"{speed:.2f}x",
+                ">= 1.10x" if native else ">= 1.05x", speed >= (1.10 if native else 1.05))]
+    if s == "A" and native and mfu[best] is not None:
+        out.append(line("MFU", pct(mfu[best]).strip(), ">= 18%", mfu[best] >= 0.18))
+    if ("lmforge", True) in med and ("lmforge", False) in med:
+        gain = med["lmforge", True] / med["lmforge", False]
+        out.append(line("lmforge compiled / eager", f"{gain:.2f}x", ">= 1.20x" if native else "-",
+                        gain >= 1.20 or not native))
+    ratio = (1e3 * statistics.median(r["steady_s"] for r in res[best])) / mm[best]
+    out.append(line("step time / its matmuls' time", f"{ratio:.2f}x", "<= 2x", ratio <= 2))
+    if ("gpt2", True) in nm:
+        rel = nm[best] / nm["gpt2", True]
+        out.append(line("non-matmul ms, lmforge's best / gpt2 compiled", f"{nm[best]:.0f} / "
+                        f"{nm['gpt2', True]:.0f} ms = {rel:.2f}x", "<= 0.6x", rel <= 0.6))
+    mem = peak_mb[best] / hf_eager_mem
+    out.append(line("peak memory / HF eager's", f"{mem:.2f}x", "<= 0.5x", mem <= 0.5))
+    return out
 
 
 def main() -> None:
@@ -338,6 +383,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--no-memory", action="store_true", help="skip the micro-batch estimate")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold-compile measurement")
     p.add_argument("--shapes", default="AB", help="which shapes to time (default: both, AB)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
@@ -360,7 +406,6 @@ def main() -> None:
     impls = SMOKE_IMPLS if a.smoke else IMPLS
     rounds, steps = (1, 2) if a.smoke else (1, 3) if a.quick else (a.rounds, a.steps)
     base = Run("lmforge", 0, False, str(device), dtype_name(dtype), steps, **dims)
-    best = ("lmforge", True) if ("lmforge", True) in impls else ("lmforge", False)
     print(line)
     print(f"d_model {base.d_model}, {base.n_layer} layers, {base.n_head} heads, T {base.seq_len}, "
           f"batch {base.batch}; {rounds} interleaved rounds x {steps} steps after 2 warm-up steps "
@@ -381,27 +426,29 @@ def main() -> None:
               f"MFU below is against {max(peak, again) / 1e9:,.0f}")
         peak = max(peak, again)
     print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'median':>7} {'MFU':>6} "
-          f"{'peak MB':>7} {'faults':>7} {'1st step':>8}  {name(*best)} / this")
+          f"{'peak MB':>7} {'faults':>7} {'mm ms':>6} {'other':>6} {'1st step':>8}")
     lines = []
     for s, vocab in shapes.items():
         cfg = ModelConfig(vocab_size=vocab, n_layer=base.n_layer, n_head=base.n_head,
                           d_model=base.d_model, d_mlp=base.d_mlp, max_seq_len=base.seq_len)
         with torch.device("meta"):
             fpt = GPT(cfg).flops_per_token(base.seq_len)
-        med = {k[1:]: statistics.median(r["tok_s"] for r in v) for k, v in res.items() if k[0] == s}
-        mem = {k[1:]: max(r["peak_mb"] for r in v) for k, v in res.items() if k[0] == s}
+        here = {k[1:]: v for k, v in res.items() if k[0] == s}
+        med = {k: statistics.median(r["tok_s"] for r in v) for k, v in here.items()}
+        mem = {k: max(r["peak_mb"] for r in v) for k, v in here.items()}
+        mfu = {k: fpt * med[k] / peak if peak else None for k in here}
         for impl, comp in impls:
-            runs = res[s, impl, comp]
+            runs = here[impl, comp]
             per_round = " / ".join(f"{r['tok_s']:.0f}" for r in runs)
-            mfu = f"{fpt * med[impl, comp] / peak:6.1%}" if peak else f"{'n/a':>6}"
-            print(f"{s:5} {name(impl, comp):18} {per_round:>22} {med[impl, comp]:7.0f} {mfu} "
-                  f"{mem[impl, comp]:7.0f} "
+            print(f"{s:5} {name(impl, comp):18} {per_round:>22} {med[impl, comp]:7.0f} "
+                  f"{pct(mfu[impl, comp])} {mem[impl, comp]:7.0f} "
                   f"{statistics.median(r['faults_per_step'] for r in runs):7.0f} "
-                  f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s  "
-                  f"{med[best] / med[impl, comp]:.2f}x")
-        lines.append(summary(s, med, mem, best))
+                  f"{statistics.median(r['matmul_ms'] for r in runs):6.0f} "
+                  f"{statistics.median(r['non_matmul_ms'] for r in runs):6.0f} "
+                  f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s")
+        lines += summary(s, med, mem, here, mfu, native=dtype == torch.bfloat16)
     print("\n" + "\n".join(lines))
-    if best[1] and device.type == "cpu" and not a.quick:
+    if ("lmforge", True) in impls and device.type == "cpu" and not (a.quick or a.no_cold):
         cold_compile(shapes, base, res)
     if "A" in shapes and not (a.quick or a.no_memory):
         memory_section(replace(base, vocab=shapes["A"]), impls)

@@ -20,9 +20,14 @@ import torch
 import torch.distributed as dist
 
 from launch.cli import ArgumentParser
+from model import ModelConfig
 from pipeline import hardware
-from pipeline.parallelize import cpu_compile_threshold_s, resolve_compile
+from pipeline.compile_policy import resolve_compile, step_model, threshold_s
+from pipeline.materialize import meta_gpt
 
+# configs/tiny.toml's model with the demo's 4096-id BPE: what the compile rule is stated for.
+DEMO_MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, d_model=256,
+                         max_seq_len=256)
 PACKAGES = ("numpy", "transformers", "datasets", "tiktoken", "safetensors", "accelerate", "wandb")
 
 
@@ -74,19 +79,23 @@ def cpu() -> dict:
 
 
 def compile_rule(device: torch.device) -> dict:
-    """What train.compile = auto decides on `device` (pipeline.parallelize.resolve_compile): on
-    CUDA always; on CPU it depends on the run's estimated eager time, so the thresholds."""
+    """What train.compile = auto decides on `device` (pipeline.compile_policy): on CUDA always; on
+    CPU it depends on the run's estimated eager time, so the threshold for the demo's model."""
     if device.type != "cpu":
         on = resolve_compile("auto", device)
         return {"rule": f"{'on' if on else 'off'} on {device.type} (whatever the run)",
-                "threshold_s": None}
-    threshold_s = {"loss_in_graph": cpu_compile_threshold_s(True),
-                   "chunked_loss": cpu_compile_threshold_s(False)}
-    minutes = {k: f"{v / 60:.0f} min" for k, v in threshold_s.items()}
-    return {"rule": f"on {device.type} when the run's estimated eager time reaches "
-                    f"{minutes['loss_in_graph']} (loss in the compiled graph) or "
-                    f"{minutes['chunked_loss']} (chunked loss), else off (logged by each run)",
-            "threshold_s": threshold_s}
+                "threshold_s": None, "gain": None}
+    dtype = hardware.auto_dtype(device)[0]
+    peak = hardware.matmul_peak(device, dtype)
+    if not peak:
+        return {"rule": "off on cpu (no measured matmul peak)", "threshold_s": None, "gain": None}
+    steps = step_model(meta_gpt(DEMO_MODEL), DEMO_MODEL.max_seq_len, peak,
+                       hardware.memory_bandwidth(device))
+    t = threshold_s(steps.gain)
+    return {"rule": f"on cpu when a run's estimated eager time reaches {t / 60:.0f} min for the "
+                    f"demo's model in {hardware.dtype_name(dtype)} (compiled est. "
+                    f"{steps.gain:.2f}x faster), else off; each run logs its own estimate",
+            "threshold_s": t, "gain": steps.gain}
 
 
 def auto_choices(device: torch.device) -> dict:

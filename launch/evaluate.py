@@ -100,7 +100,7 @@ def evaluate_checkpoint(
     windows = TokenWindows(data_dir, split, seq_len, ckpt.config.vocab_size)
     batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
-    precision = Precision.resolve(run_cfg.train.dtype if dtype is None else dtype, info.device)
+    precision = Precision.resolve(run_cfg.train.dtype if dtype is None else dtype, info.device, "eval")
     result = evaluate(ckpt.model, batches, token_bytes, info, precision=precision)
     return result, seq_len, precision.dtype
 

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
     ids = encode_prompt(enc, prompt)
     sampling = fit_to_context(sampling, len(ids), ckpt.config.max_seq_len)
-    dtype = resolve_dtype(args.dtype, device)  # after every check: a mistake costs no probe
+    dtype = resolve_dtype(args.dtype, device, "sample")  # after every check: costs no probe
     print(f"note: computing in {dtype_name(dtype)} on {device} (--dtype {args.dtype})",
           file=sys.stderr)
     seed = random.randrange(2**31) if args.seed is None else args.seed

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 VOCAB_MULTIPLE = 64  # the LM-head matmul is faster when V is a multiple of 64
 MLP_KINDS = ("swiglu", "gelu")
 IGNORE_INDEX = -100  # a target the loss skips (eval padding rows); cross_entropy's default
-LOSS_CHUNK_ELEMS = 2**23  # two reused 32 MB fp32 buffers; 83-2048 tokens timed within 20 %
 
 
 @dataclass
@@ -207,126 +206,14 @@ class Block(nn.Module):
         self.mlp_norm.reset_parameters()
 
 
-# oneDNN's linear computes a chunk's logits (a ~100-200-token chunk of h against the V x D
-# embedding) at ~1.7x MKL's mm on CPU in fp32: 100-105 vs 51-60 GFLOP/s at 128-166 tokens x
-# 50,304 (AVX2). The head's two backward products stay on MKL, faster there (104 vs 48).
-_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-                  if torch.backends.mkldnn.is_available() else None)
-
-
-def _chunk_logits(h_CD, w_VD, buf_CV):
-    """h_CD @ w_VDᵀ in fp32, written into buf_CV; oneDNN's fresh output when buf_CV is None."""
-    if buf_CV is None:
-        return _ONEDNN_LINEAR(h_CD.contiguous(), w_VD, None, "none", [], "")
-    if h_CD.dtype == torch.float32:
-        return torch.mm(h_CD, w_VD.T, out=buf_CV)
-    return buf_CV.copy_(h_CD @ w_VD.T)
-
-
-def _head_loss_chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_scale_N=None):
-    """Loss of N tokens (fp32) by chunks of `chunk` tokens and, when grad_scale_N is given, the
-    gradients of sum(grad_scale_N * loss_N) w.r.t. h_ND (its dtype) and w_VD (fp32):
-    (loss_N, grad_h_ND, grad_w_VD).
-
-    The logits are upcast before the log-softmax, so the loss is fp32 whatever the matmul dtype.
-    Padded vocabulary columns get -inf: no probability mass, hence no gradient. Every chunk reuses
-    two fp32 buffers, one for its logits and one for its log-probabilities, then (in place) its
-    gradient: a fresh C×V tensor per chunk costs a page fault per 4 KiB on CPU (the allocator
-    hands such sizes back to the OS), and each extra pass over it is memory traffic. (In fp32 on
-    CPU the logits are oneDNN's fresh output instead: its faster product outweighs the faults.) The
-    per-token scale is applied to the D-wide factors, never to the C×V gradient."""
-    N, V = len(targets_N), w_VD.shape[0]
-    f32 = dict(dtype=torch.float32, device=h_ND.device)
-    valid_N = targets_N != ignore_index
-    safe_N = torch.where(valid_N, targets_N, 0)
-    loss_N = torch.empty(N, **f32)
-    C = min(chunk, N)
-    onednn = _ONEDNN_LINEAR is not None and h_ND.device.type == "cpu" and h_ND.dtype == torch.float32
-    buf_CV = None if onednn else torch.empty(C, V, **f32)
-    logp_CV = torch.empty(C, V, **f32)
-    rows_C = torch.arange(C, device=h_ND.device)
-    if grad_scale_N is not None:
-        scale_N1 = torch.where(valid_N, grad_scale_N, 0.0)[:, None].to(h_ND.dtype)
-        grad_h_ND, grad_w_VD = torch.empty_like(h_ND), torch.zeros(w_VD.shape, **f32)
-    for start in range(0, N, chunk):
-        part = slice(start, start + chunk)
-        h_CD, safe_C = h_ND[part], safe_N[part]
-        lp_CV = logp_CV[: len(h_CD)]
-        logits_CV = _chunk_logits(h_CD, w_VD, None if onednn else buf_CV[: len(h_CD)])
-        logits_CV[:, vocab_size:] = float("-inf")
-        torch.log_softmax(logits_CV, dim=-1, out=lp_CV)
-        del logits_CV  # oneDNN's fresh logits: freed before the next chunk's, not after
-        loss_N[part] = -lp_CV.gather(1, safe_C[:, None]).squeeze(1)
-        if grad_scale_N is None:
-            continue
-        # d loss / d logits = softmax - one_hot(target); ignored rows get scale 0 below.
-        grad_CV = lp_CV.exp_()
-        grad_CV[rows_C[: len(safe_C)], safe_C] -= 1.0
-        grad_CV = grad_CV.to(h_CD.dtype)
-        grad_h_ND[part] = (grad_CV @ w_VD) * scale_N1[part]
-        hs_CD = h_CD * scale_N1[part]
-        if grad_CV.dtype == torch.float32:
-            grad_w_VD.addmm_(grad_CV.T, hs_CD)
-        else:
-            grad_w_VD += grad_CV.T @ hs_CD
-    loss_N = torch.where(valid_N, loss_N, 0.0)
-    if grad_scale_N is None:
-        return loss_N, None, None
-    return loss_N, grad_h_ND, grad_w_VD
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of softmax(h @ wᵀ) without the full logits. Summed over tokens
-    (`per_token=False`), the gradients are computed chunk by chunk in the forward pass, where
-    the logits are at hand (no recompute), and only scaled in backward. Per token, the upstream
-    gradient differs by token, so backward recomputes each chunk's logits instead."""
-
-    @staticmethod
-    def forward(ctx, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, per_token):
-        ctx.args = (vocab_size, ignore_index, chunk)
-        ctx.per_token = per_token
-        if per_token:
-            ctx.save_for_backward(h_ND, w_VD, targets_N)
-            loss_N, _, _ = _head_loss_chunks(h_ND, w_VD, targets_N, *ctx.args)
-            return loss_N
-        ones_N = torch.ones(len(targets_N), device=h_ND.device)
-        loss_N, grad_h_ND, grad_w_VD = _head_loss_chunks(h_ND, w_VD, targets_N, *ctx.args, ones_N)
-        ctx.save_for_backward(grad_h_ND, grad_w_VD.to(w_VD.dtype))
-        return loss_N.sum()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        if ctx.per_token:
-            h_ND, w_VD, targets_N = ctx.saved_tensors
-            _, grad_h_ND, grad_w_VD = _head_loss_chunks(
-                h_ND, w_VD, targets_N, *ctx.args, grad_loss.float()
-            )
-            return grad_h_ND, grad_w_VD.to(w_VD.dtype), None, None, None, None, None
-        grad_h_ND, grad_w_VD = ctx.saved_tensors
-        return grad_h_ND * grad_loss, grad_w_VD * grad_loss, None, None, None, None, None
-
-
-def chunked_cross_entropy(
-    h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=-100, chunk=1024
-):
-    """F.cross_entropy(h_BTD @ w_VDᵀ, targets) over the first `vocab_size` columns, computed
-    `chunk` tokens at a time: memory O(chunk·V) instead of O(B·T·V), for the loss and for its
-    gradient. reduction "mean" (over tokens whose target != ignore_index), "sum" or "none"."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
-    if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
-        loss = _ChunkedCrossEntropy.apply(
-            h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, reduction == "none"
-        )
-    else:  # evaluation: the loss alone (the Function would also build the gradients)
-        loss_N, _, _ = _head_loss_chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk)
-        loss = loss_N if reduction == "none" else loss_N.sum()
-    if reduction == "none":
-        return loss.view(targets_BT.shape)
-    if reduction == "mean":
-        return loss / (targets_N != ignore_index).sum()
-    return loss
+def cross_entropy(h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=IGNORE_INDEX):
+    """F.cross_entropy of the full logits h_BTD @ w_VDᵀ over the first vocab_size columns, in
+    fp32 whatever the matmul dtype: the plain reference loss. A loss of the same signature can
+    replace it (GPT.forward's loss_fn): one that never builds the B×T×V logits, for instance."""
+    logits_NV = F.linear(h_BTD.flatten(0, 1), w_VD)[:, :vocab_size]
+    loss = F.cross_entropy(logits_NV.float(), targets_BT.flatten(), ignore_index=ignore_index,
+                           reduction=reduction)
+    return loss.view(targets_BT.shape) if reduction == "none" else loss
 
 
 class GPT(nn.Module):
@@ -348,13 +235,6 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", empty.clone(), persistent=False)
         if self.tok_emb.weight.device.type != "meta":
             self.init_weights()
-        # Tokens per chunk of the LM-head loss: bounds its fp32 chunk of logits to ~LOSS_CHUNK_ELEMS.
-        # Attributes, not config fields: they change memory and speed, never the model.
-        self.loss_chunk_tokens = max(1, LOSS_CHUNK_ELEMS // V)
-        # Up to this many tokens the loss builds the logits whole, with plain ops (0: always by
-        # chunks). Eagerly the chunked path is faster (whole measured 0.93x at V 4k); traced by
-        # torch.compile the plain ops fuse into the model's graph, so the pipeline raises it.
-        self.loss_whole_tokens = 0
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -382,13 +262,25 @@ class GPT(nn.Module):
         *,
         reduction: str = "mean",
         ignore_index: int = IGNORE_INDEX,
+        loss_fn=cross_entropy,
         kv_cache=None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) without targets; with targets only the loss: "mean" over
-        tokens whose target != ignore_index, "sum", or "none" → (B, T).
+        tokens whose target != ignore_index, "sum", or "none" → (B, T), computed by
+        loss_fn(h_BTD, head weight, targets_BT, vocab_size, reduction, ignore_index) from the
+        final hidden states (`cross_entropy`, the full logits, unless the caller passes another).
 
         kv_cache (model.generate.KVCache) appends this chunk's keys/values and attends over the
         cache, using its per-row positions and padding mask."""
+        h_BTD = self.hidden(idx_BT, kv_cache)
+        if targets_BT is None:
+            return self.lm_head(h_BTD)[..., : self.cfg.vocab_size]  # V padded
+        return loss_fn(h_BTD, self.lm_head.weight, targets_BT, self.cfg.vocab_size,
+                       reduction=reduction, ignore_index=ignore_index)
+
+    def hidden(self, idx_BT: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """The final-normed hidden states h_BTD the LM head (`lm_head.weight`, V padded x D)
+        turns into logits."""
         B, T = idx_BT.shape
         if kv_cache is None:
             if T > self.cfg.max_seq_len:
@@ -402,36 +294,7 @@ class GPT(nn.Module):
             x_BTD = block(x_BTD, cos, sin, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        if targets_BT is None:
-            return self.lm_head(self.norm_f(x_BTD))[..., : self.cfg.vocab_size]  # V padded
-        return self.head_loss(x_BTD, targets_BT, reduction, ignore_index)
-
-    def head_loss(self, x_BTD, targets_BT, reduction="mean", ignore_index=-100):
-        """Final norm, LM head and cross-entropy: by chunks of tokens (`chunked_loss`), the
-        B×T×V logits never whole, unless there are at most `loss_whole_tokens` tokens; then with
-        plain ops, which torch.compile fuses into the model's graph. The head matmul runs in the
-        compute dtype (bf16 under autocast or FSDP's bf16 parameters); the log-softmax and the
-        loss always in fp32."""
-        h_BTD = self.norm_f(x_BTD)
-        device = h_BTD.device.type
-        if torch.is_autocast_enabled(device):
-            h_BTD = h_BTD.to(torch.get_autocast_dtype(device))
-        w_VD = self.lm_head.weight.to(h_BTD.dtype)
-        if targets_BT.numel() > self.loss_whole_tokens:
-            return self.chunked_loss(h_BTD, w_VD, targets_BT, reduction, ignore_index)
-        logits_NV = (h_BTD.flatten(0, 1) @ w_VD.T)[:, : self.cfg.vocab_size]
-        logits_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
-        loss = F.cross_entropy(logits_NV, targets_BT.flatten(), ignore_index=ignore_index,
-                               reduction=reduction)
-        return loss.view(targets_BT.shape) if reduction == "none" else loss
-
-    def chunked_loss(self, h_BTD, w_VD, targets_BT, reduction, ignore_index):
-        """`chunked_cross_entropy` at this model's chunk size (a method of its own, so that the
-        pipeline can keep it out of torch.compile)."""
-        return chunked_cross_entropy(
-            h_BTD, w_VD, targets_BT, self.cfg.vocab_size, reduction, ignore_index,
-            self.loss_chunk_tokens,
-        )
+        return self.norm_f(x_BTD)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied matrix counts once). exclude_embeddings drops the vocabulary

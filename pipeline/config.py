@@ -69,11 +69,12 @@ class TrainConfig:
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype; master weights and optimizer state stay fp32 either way. auto = bf16 on
     GPUs with bf16 tensor cores and on CPUs where bf16 matmul is native and faster (a measured
-    probe: most CPUs without AVX512-BF16/AMX emulate it ~100x slower), else fp32."""
+    probe: most CPUs without AVX512-BF16/AMX emulate it far slower), else fp32; the training
+    samples are probed apart (decode steps) and may run in fp32 where training runs in bf16."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the forward + loss; auto = on for CUDA, and on CPU when the run's estimated
-    eager time repays the cold compiles 3 times over (~19 min when the loss compiles with the
-    model, ~87 min when it is chunked): see parallelize.resolve_compile."""
+    """torch.compile the forward with its loss; auto = on for CUDA, and on CPU when the run's
+    estimated eager time (a roofline from the measured matmul peak and memory bandwidth) repays
+    the cold compiles twice over; the run logs the estimate: see pipeline.compile_policy."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -21,6 +21,7 @@ from torch import nn
 
 from pipeline.data import IGNORE_INDEX, TokenWindows
 from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.loss import EAGER_LOSS, HeadLoss
 from pipeline.parallelize import Precision
 
 
@@ -44,10 +45,12 @@ def evaluate(
     info: DistInfo,
     *,
     precision: Precision,
+    loss_fn: HeadLoss = EAGER_LOSS,
 ) -> EvalResult:
     """Sum of token losses, token count and byte count over this rank's batches, reduced over
     ranks. `token_bytes[id]` is the UTF-8 length of token `id` (0 for special tokens); targets
-    equal to IGNORE_INDEX are not counted.
+    equal to IGNORE_INDEX are not counted. loss_fn: the LM-head loss (training passes its own,
+    compiled with the model when the run is).
 
     Every rank must pass the same number of batches (FSDP runs each forward on all ranks):
     `eval_batches` pads with IGNORE_INDEX rows to guarantee it."""
@@ -58,7 +61,7 @@ def evaluate(
     for x_BT, y_BT in batches:
         x_BT, y_BT = x_BT.to(info.device), y_BT.to(info.device)
         with precision.autocast(model):
-            loss_sum = model(x_BT, y_BT, reduction="sum")
+            loss_sum = model(x_BT, y_BT, reduction="sum", loss_fn=loss_fn)
         valid_BT = y_BT != IGNORE_INDEX
         sums[0] += loss_sum.double()
         sums[1] += valid_BT.sum()

@@ -1,12 +1,14 @@
 """What the machine the run meets can do, and the choices that follow from it.
 
-- `cpu_bf16`: is bf16 matmul native *and faster than fp32* on this CPU? A measured probe, cached
-  per process (CPUs without AVX512-BF16/AMX emulate bf16, ~100-400x slower than fp32).
+- `cpu_bf16`: is bf16 matmul native *and faster than fp32* on this CPU, for a workload's matmul
+  shape? A measured probe, cached per process (CPUs without AVX512-BF16/AMX emulate bf16, far
+  slower than fp32: bench/results/ has the figures).
   `LMFORGE_CPU_BF16=native|emulated` forces the answer (tests, or a user who knows better).
-- `resolve_dtype`: train.dtype auto|bf16|fp32 -> the dtype matmuls really compute in, with one
-  log line saying why (the same rule for training, eval, sampling, the demo and the benches).
+- `resolve_dtype`: train.dtype auto|bf16|fp32 -> the dtype a workload's (train, eval, sample)
+  matmuls really compute in, with one log line saying why (the same rule for training, eval,
+  sampling, the demo and the benches).
 - `matmul_peak`: the peak FLOP/s MFU is relative to: NVIDIA's datasheet for GPUs, a measured
-  large matmul for CPUs, in the dtype the run computes in.
+  large matmul for CPUs, in the dtype the run computes in. `memory_bandwidth`: a measured copy.
 - `configure_cuda`, `pin_memory_for`, `to_device`: the CUDA settings every run wants.
 """
 
@@ -81,8 +83,9 @@ class CpuBf16:
     def evidence(self) -> str:
         if self.bf16_flops is None or self.fp32_flops is None:
             return f"forced by {self.source}"
-        rates = f"bf16 matmul {_gflops(self.bf16_flops)} GFLOP/s vs fp32 {_gflops(self.fp32_flops)}"
-        return rates if self.source == "measured" else f"{self.source.split('; ')[1]}; {rates}"
+        what = "decode step" if self.source.startswith("measured decode") else "matmul"
+        rates = f"bf16 {what} {_gflops(self.bf16_flops)} GFLOP/s vs fp32 {_gflops(self.fp32_flops)}"
+        return rates if "; " not in self.source else f"{self.source.split('; ')[1]}; {rates}"
 
     @property
     def slowdown(self) -> str:
@@ -111,6 +114,9 @@ def _matmul_rate(n: int, dtype: torch.dtype, budget_s: float, min_reps: int = 3)
     return best
 
 
+WORKLOADS = ("train", "eval", "sample")
+
+
 def measure_bf16_fp32() -> tuple[float, float]:
     """(bf16, fp32) matmul FLOP/s of one thread on a 256^3 product, ~0.3 s in all. 256 is big
     enough for native bf16 kernels (oneDNN AVX512-BF16/AMX) to beat fp32 and small enough that
@@ -125,17 +131,47 @@ def measure_bf16_fp32() -> tuple[float, float]:
         torch.set_num_threads(threads)
 
 
+def _decode_rate(bf16: bool, budget_s: float, rows: int = 8, width: int = 512) -> float:
+    """Best FLOP/s of a decode step's shape: a few rows (one token per prompt) through four
+    fp32 linear layers, under bf16 autocast when `bf16`, as sampling runs them."""
+    layers = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(4)))
+    x = torch.randn(rows, width)
+    flops, best, deadline = 2 * rows * width * width * 4, 0.0, time.perf_counter() + budget_s
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        layers(x)  # warm-up
+        while time.perf_counter() < deadline:
+            t = time.perf_counter()
+            for _ in range(10):
+                layers(x)
+            best = max(best, 10 * flops / (time.perf_counter() - t))
+    return best
+
+
+def measure_decode_bf16_fp32() -> tuple[float, float]:
+    """(bf16, fp32) FLOP/s of one thread on decode-shaped steps (`_decode_rate`), ~0.2 s: where
+    autocast's per-op casts and a CPU's small-matrix bf16 kernels cost more than bf16 saves,
+    sampling is faster in fp32 although training is faster in bf16."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _decode_rate(True, 0.1), _decode_rate(False, 0.1)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # CPU flags (Linux /proc/cpuinfo) that mean bf16 dot products in hardware: x86 AVX512-BF16 and
 # AMX, Arm's BF16 extension. Without them oneDNN emulates bf16 with fp32 conversions.
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 @functools.cache
-def cpu_bf16() -> CpuBf16:
-    """Cached per process. Native iff the CPU has bf16 instructions (when its flags are
-    readable) and the measured bf16 rate beats fp32. The flags settle the common case (no
-    AVX512-BF16/AMX: emulated) whatever the load; the measurement, 30-400x apart between the
-    kinds, checks that hardware bf16 is really faster here."""
+def cpu_bf16(decode: bool = False) -> CpuBf16:
+    """Cached per process and workload. Native iff the CPU has bf16 instructions (when its flags
+    are readable) and the measured bf16 rate beats fp32: on a big product (training, eval) or,
+    `decode`, on decode-shaped steps (sampling). The flags
+    settle the common case (no AVX512-BF16/AMX: emulated) whatever the load; the measurement,
+    orders of magnitude apart between the kinds, checks that hardware bf16 is really faster
+    here, for this workload."""
     forced = os.environ.get(FORCE_ENV, "").strip().lower()
     if forced:
         if forced not in ("native", "emulated"):
@@ -143,9 +179,10 @@ def cpu_bf16() -> CpuBf16:
         return CpuBf16(forced == "native", None, None, f"{FORCE_ENV}={forced}")
     flags = cpu_flags()
     has_bf16 = not flags or any(f in flags for f in _BF16_FLAGS)
-    bf16, fp32 = measure_bf16_fp32()
+    bf16, fp32 = measure_decode_bf16_fp32() if decode else measure_bf16_fp32()
+    source = "measured decode steps" if decode else "measured"
     return CpuBf16(has_bf16 and bf16 > fp32, bf16, fp32,
-                   "measured" if has_bf16 else "measured; no avx512_bf16/amx_bf16 flag")
+                   source if has_bf16 else f"{source}; no avx512_bf16/amx_bf16 flag")
 
 
 def _agree(native: bool) -> bool:
@@ -165,36 +202,46 @@ def cuda_bf16(device: torch.device) -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
-    """What `auto` picks on `device`, and why (no logging, no collectives)."""
+def auto_dtype(device: torch.device, workload: str = "train") -> tuple[torch.dtype, str]:
+    """What `auto` picks on `device` for `workload` (train, eval or sample), and why (no
+    logging, no collectives)."""
     device = torch.device(device)
     if device.type == "cuda":
         if cuda_bf16(device):
             return torch.bfloat16, f"{torch.cuda.get_device_name(device)} has bf16 tensor cores"
         return torch.float32, f"{torch.cuda.get_device_name(device)} has no native bf16"
     if device.type == "cpu":
-        probe = cpu_bf16()
+        probe = cpu_bf16(decode=workload == "sample")
         if probe.native:
             return torch.bfloat16, f"this CPU computes bf16 natively ({probe.evidence})"
+        if workload == "sample" and cpu_bf16().native:
+            return torch.float32, f"this CPU decodes faster in fp32 ({probe.evidence})"
         return torch.float32, f"this CPU has no native bf16 ({probe.evidence})"
     return torch.float32, f"no bf16 rule for {device.type}"
 
 
-def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """train.dtype (auto|bf16|fp32) -> the dtype matmuls compute in on `device`. Logs one line.
+def _for(workload: str) -> str:
+    return "" if workload == "train" else f" for {'sampling' if workload == 'sample' else workload}"
+
+
+def resolve_dtype(requested: str, device: torch.device, workload: str = "train") -> torch.dtype:
+    """train.dtype (auto|bf16|fp32) -> the dtype `workload`'s (train, eval or sample) matmuls
+    compute in on `device`. Logs one line.
 
     Collective when a CPU process group is initialised (ranks agree on the probe): every rank
     must call it."""
     if requested not in ("auto", *DTYPES):
         raise ConfigError(f"dtype must be auto, bf16 or fp32, got {requested!r}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     device = torch.device(device)
     log = get_logger()
     if requested == "auto":
-        dtype, why = auto_dtype(device)
+        dtype, why = auto_dtype(device, workload)
         bf16 = dtype == torch.bfloat16
         if device.type == "cpu" and _agree(bf16) != bf16:
             dtype, why = torch.float32, "another rank's CPU has no native bf16"
-        log.info(f"dtype auto -> {dtype_name(dtype)}: {why}")
+        log.info(f"dtype auto -> {dtype_name(dtype)}{_for(workload)}: {why}")
         return dtype
     dtype = DTYPES[requested]
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16().native:
@@ -202,7 +249,7 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
         log.warning(f"dtype bf16 on a CPU without native bf16 ({probe.evidence}): matmuls run "
                     f"~{probe.slowdown}; use --train.dtype auto (or fp32) to train at full speed")
     else:
-        log.info(f"dtype {requested}: as configured")
+        log.info(f"dtype {requested}{_for(workload)}: as configured")
     return dtype
 
 
@@ -308,6 +355,26 @@ def fix_mmap_threshold() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+_BANDWIDTH_BYTES = 64 * 2**20  # well past any cache: what elementwise passes over big tensors see
+
+
+@functools.cache
+def memory_bandwidth(device: torch.device) -> float:
+    """Bytes/s one elementwise pass moves on `device` (read + write of a 64 MiB copy, best of
+    3 after a warm-up, all torch threads): what bounds the work between the matmuls."""
+    device = torch.device(device)
+    src = torch.empty(_BANDWIDTH_BYTES // 4, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(4):
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * _BANDWIDTH_BYTES / best
 
 
 # ----------------------------------------------------------------------------- CUDA settings

@@ -2,8 +2,9 @@
 
 The model file knows nothing of any of this (torchtitan's pattern). The order is fixed:
 activation checkpointing (per block) -> compile -> data parallelism. Compile covers the forward
-but the chunked LM-head loss, which stays eager (see compile_regions); under FSDP2 the compiled
-regions are its units instead (each block), since FSDP's all-gather hooks run between them.
+with its LM-head loss (pipeline.loss, chosen here and passed to every forward, never set on the
+model); under FSDP2 the compiled regions are its units instead (each block, and the loss).
+When to compile is pipeline.compile_policy's.
 
 `parallelize` returns a `ParallelModel`: the wrapped module with the two things that differ
 between the modes, the micro-step's gradient sync and the autocast, so the training loop never
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model import GPT
 from pipeline.distributed import DistInfo
 from pipeline.hardware import MMAP_THRESHOLD, fix_mmap_threshold, resolve_dtype
+from pipeline.loss import EAGER_LOSS, HeadLoss, select_loss
 from pipeline.materialize import materialize
 from pipeline.metrics import get_logger
 
@@ -40,42 +43,6 @@ def resolve_parallel(requested: str, info: DistInfo) -> str:
     return requested
 
 
-# Cold compile (first step minus a steady step, empty inductor cache) of the forward + loss +
-# backward on a 2-core AVX2 CPU (bench/train_bench.py shapes): 30.5-37.0 s at V 4,096 (three
-# runs), 33.8 s at V 50,304. What it gains depends on the loss. Logits of one chunk or less (V 4k,
-# 2,048 tokens: the tiny preset's shape) compile into the model's graph: 1.03x and 1.28x over
-# eager in two bench runs, 1.06-1.19x in direct alternations, so 1.10x is used. The chunked loss
-# stays eager (V 50k), and the matmuls, ~80 % of a step there, are the same kernels compiled or
-# not (bench/profile_step.py): 1.02x. Break-even = cold compile / (1 - 1/gain): ~6 and ~29 min.
-CPU_COLD_COMPILE_S = 34.0
-CPU_COMPILE_GAIN_LOSS_IN_GRAPH = 1.10
-CPU_COMPILE_GAIN_CHUNKED_LOSS = 1.02
-# A run must last 3 break-evens: the eval graph compiles too (2x), and the gains were measured
-# on one CPU kind, on a noisy machine (1.5x). Loss in the graph: ~19 min; chunked: ~87 min.
-CPU_COMPILE_MARGIN = 3.0
-
-
-def cpu_compile_threshold_s(loss_in_graph: bool, cold_compile_s: float = CPU_COLD_COMPILE_S) -> float:
-    """The shortest estimated eager run (seconds) that train.compile = auto compiles on CPU."""
-    gain = CPU_COMPILE_GAIN_LOSS_IN_GRAPH if loss_in_graph else CPU_COMPILE_GAIN_CHUNKED_LOSS
-    return CPU_COMPILE_MARGIN * cold_compile_s / (1 - 1 / gain)
-
-
-def resolve_compile(
-    requested: str, device: torch.device, est_eager_run_s: float | None = None,
-    loss_in_graph: bool = False,
-) -> bool:
-    """train.compile on|off|auto -> whether to compile. auto: always on CUDA; on CPU only when
-    the run's estimated eager time (seconds; None = unknown) reaches cpu_compile_threshold_s,
-    i.e. when what compile saves repays its cold compiles. loss_in_graph: the micro-batch's
-    logits fit one chunk (GPT.head_loss), so the loss compiles with the model."""
-    if requested != "auto":
-        return requested == "on"
-    if device.type == "cuda":
-        return True
-    return est_eager_run_s is not None and est_eager_run_s >= cpu_compile_threshold_s(loss_in_graph)
-
-
 @dataclass(frozen=True)
 class Precision:
     """The dtype matmuls compute in (master weights and optimizer state stay fp32 either way)."""
@@ -84,9 +51,10 @@ class Precision:
     device: torch.device
 
     @classmethod
-    def resolve(cls, requested: str, device: torch.device) -> Precision:
-        """train.dtype auto|bf16|fp32 on `device` (pipeline.hardware.resolve_dtype's rule)."""
-        return cls(resolve_dtype(requested, device), torch.device(device))
+    def resolve(cls, requested: str, device: torch.device, workload: str = "train") -> Precision:
+        """train.dtype auto|bf16|fp32 for `workload` (train, eval, sample) on `device`
+        (pipeline.hardware.resolve_dtype's rule)."""
+        return cls(resolve_dtype(requested, device, workload), torch.device(device))
 
     @property
     def bf16(self) -> bool:
@@ -102,11 +70,17 @@ class Precision:
 
 @dataclass(frozen=True)
 class ParallelModel:
-    """The module to train (as `parallelize` wrapped it) and what differs between the modes."""
+    """The module to train (as `parallelize` wrapped it), the LM-head loss its forward is
+    handed (pipeline.loss.select_loss's choice), and what differs between the modes."""
 
     module: nn.Module
     mode: str  # "none" | "ddp" | "fsdp"
     precision: Precision
+    head_loss: HeadLoss = EAGER_LOSS
+
+    def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor, reduction: str = "mean"):
+        """The module's forward to the loss, computed by this run's head_loss."""
+        return self.module(idx_BT, targets_BT, reduction=reduction, loss_fn=self.head_loss)
 
     def autocast(self):
         return self.precision.autocast(self.module)
@@ -152,6 +126,7 @@ def parallelize(
             model.blocks[i] = checkpoint_wrapper(block)
     if compile_model:
         compile_regions(model, per_block=parallel == "fsdp")
+    head_loss = select_loss(compile_model, compiled_with_model=parallel != "fsdp")
     module: nn.Module = model
     if parallel == "fsdp":
         # Sharding is for memory: on CPU, memory only shrinks with the ranks once malloc gives
@@ -173,33 +148,21 @@ def parallelize(
     if parallel == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    return ParallelModel(module, parallel, precision)
+    return ParallelModel(module, parallel, precision, head_loss)
 
 
 def compile_regions(model: GPT, per_block: bool) -> None:
-    """torch.compile the forward + loss in place: Module.compile keeps parameter names free of an
+    """torch.compile the forward in place: Module.compile keeps parameter names free of an
     `_orig_mod.` prefix, so checkpoints load the same whether or not the run was compiled.
-    dynamic=False: training's one shape and eval's one shape get a static graph each (eval
-    batches are padded to one shape), instead of a slower dynamic-shape graph after eval."""
-    # The chunked LM-head loss stays eager: it writes every chunk into reused buffers (out=, in
-    # place), which inductor turns into fresh tensors and copies; compiled it measured 0.75x of
-    # eager with 4x the page faults at V 50k (bench/profile_step.py). Its matmuls dominate anyway.
-    model.chunked_loss = torch.compiler.disable(model.chunked_loss)
+    The loss the forward is handed (select_loss's FusedLoss) is traced with it; under FSDP2 the
+    blocks are compiled alone (its all-gather hooks run between them) and the loss compiles as
+    its own region. dynamic=False: training's one shape and eval's one shape get a static graph
+    each (eval batches are padded to one shape), instead of a slower dynamic-shape graph."""
     if not per_block:
-        # Logits of one chunk or less are built whole, in the model's graph (loss_joins_graph):
-        # a compiled step took 0.80x the time it took with the chunked loss outside (V 4k).
-        model.loss_whole_tokens = model.loss_chunk_tokens
         model.compile(dynamic=False)
         return
     for block in model.blocks:
         block.compile(dynamic=False)
-
-
-def loss_joins_graph(model: GPT, parallel: str, tokens: int) -> bool:
-    """Whether a compiled micro-batch of `tokens` computes its loss inside the model's graph:
-    compile_regions compiles the whole model (FSDP2: its blocks only) and lets logits of one
-    chunk or less be built whole there."""
-    return parallel != "fsdp" and tokens <= model.loss_chunk_tokens
 
 
 def compiled_graphs() -> int:
@@ -235,6 +198,9 @@ class RecompileWatch:
 TRACE_PREFIX = os.environ.get("LMFORGE_TRACE_GRAD_SYNC")
 
 
+_TRACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # kept here, not set on the model
+
+
 def _trace(event: str) -> None:
     with open(f"{TRACE_PREFIX}.rank{os.environ.get('RANK', '0')}", "a") as f:
         f.write(event + "\n")
@@ -247,9 +213,9 @@ def _trace_collectives(model: nn.Module, parallel: str) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    if getattr(model, "_grad_sync_traced", False):
+    if model in _TRACED:
         return
-    model._grad_sync_traced = True
+    _TRACED.add(model)
     if parallel == "ddp":
         def traced_allreduce(process_group, bucket):
             _trace("reduce")

@@ -27,6 +27,7 @@ from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, derive
 from pipeline.hardware import GPU_PEAKS  # the datasheet table, kept in one place
+from pipeline.loss import chunk_tokens
 from pipeline.optim import is_muon_matrix
 
 FP32, BF16 = 4, 2
@@ -116,13 +117,11 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
 
 
 def head_loss_bytes(model: GPT, tokens: int) -> int:
-    """What the LM-head loss of a micro-batch of `tokens` holds, and the head's fp32 gradient.
-    Logits of one chunk or less may be built whole (GPT.head_loss, when compiled): at most three
-    fp32 tokens x V tensors at once (log-probabilities, their gradient, the logits' gradient).
-    Larger, the chunked loss holds two fp32 buffers of model.loss_chunk_tokens x V."""
-    V, chunk = model.cfg.padded_vocab_size, model.loss_chunk_tokens
-    logits = 3 * FP32 * tokens * V if tokens <= chunk else 2 * FP32 * chunk * V
-    return logits + FP32 * V * model.cfg.d_model
+    """What the LM-head loss of a micro-batch of `tokens` holds, and the head's fp32 gradient:
+    the loss runs by chunks of pipeline.loss.chunk_tokens, with two fp32 chunk x V buffers
+    (eager: logits and log-probabilities; compiled: the logits and their gradient)."""
+    V = model.cfg.padded_vocab_size
+    return 2 * FP32 * min(tokens, chunk_tokens(V)) * V + FP32 * V * model.cfg.d_model
 
 
 # ----------------------------------------------------------------------------- the plan

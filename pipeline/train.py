@@ -20,7 +20,7 @@ import torch
 from data_prep.shards import load_manifest
 from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_byte_lengths
 from model import GPT, ModelConfig, generate
-from pipeline import budget
+from pipeline import budget, compile_policy
 from pipeline import checkpoint as ckpt
 from pipeline.async_checkpoint import Checkpointer
 from pipeline.config import (
@@ -39,7 +39,7 @@ from pipeline.config import (
 from pipeline.data import TrainLoader
 from pipeline.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from pipeline.evaluate import evaluate
-from pipeline.hardware import dtype_name, matmul_peak, peak_flops, to_device
+from pipeline.hardware import dtype_name, peak_flops, to_device
 from pipeline.materialize import meta_gpt
 from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
 from pipeline.mixture import ValSet, is_mixture, train_sources, val_sets
@@ -48,10 +48,7 @@ from pipeline.parallelize import (
     ParallelModel,
     Precision,
     RecompileWatch,
-    cpu_compile_threshold_s,
-    loss_joins_graph,
     parallelize,
-    resolve_compile,
     resolve_parallel,
 )
 from pipeline.run_dir import RunDir
@@ -110,42 +107,12 @@ def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) ->
     return prompts
 
 
-
-
-CPU_EAGER_MFU = 0.5  # of the measured matmul peak: 51-53 % eager, 2-core AVX2 (train_bench.py)
-
-
-def estimated_eager_run_s(model: GPT, train_cfg: TrainConfig, seq_len: int,
-                          precision: Precision, info: DistInfo) -> float | None:
-    """Seconds the run's steps would take eagerly on this device, from their FLOPs and capped
-    by train.time_budget_s: what train.compile = auto weighs against the cold compile on CPU
-    (None when there is no peak)."""
-    if info.device.type != "cpu":
-        return None
-    peak = matmul_peak(info.device, precision.dtype)
-    flops = model.flops_per_token(seq_len) * train_cfg.global_batch_tokens * train_cfg.max_steps
-    if not peak:
-        return None
-    eager_s = flops / (peak * CPU_EAGER_MFU * info.world_size)
-    return min(eager_s, train_cfg.time_budget_s) if train_cfg.time_budget_s else eager_s
-
-
 def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: Precision,
                    info: DistInfo) -> ParallelModel:
-    eager_s = estimated_eager_run_s(model, train_cfg, seq_len, precision, info)
-    parallel = resolve_parallel(train_cfg.parallel, info)
-    loss_in_graph = loss_joins_graph(model, parallel, train_cfg.micro_batch_size * seq_len)
-    compile_model = resolve_compile(train_cfg.compile, info.device, eager_s, loss_in_graph)
-    if train_cfg.compile == "auto" and info.device.type == "cpu":
-        log.info("train.compile = auto -> %s on CPU: estimated eager run %s, compile pays from %.0f s "
-                 "(%s)", "on" if compile_model else "off",
-                 "unknown" if eager_s is None else f"{eager_s:.0f} s",
-                 cpu_compile_threshold_s(loss_in_graph),
-                 "the loss in the graph" if loss_in_graph else "the loss chunked, outside the graph")
     return parallelize(
-        model, info, parallel=parallel, precision=precision,
-        compile_model=compile_model, activation_checkpointing=train_cfg.activation_checkpointing,
-        init_seed=train_cfg.seed,
+        model, info, parallel=resolve_parallel(train_cfg.parallel, info), precision=precision,
+        compile_model=compile_policy.decide(model, train_cfg, seq_len, precision.dtype, info),
+        activation_checkpointing=train_cfg.activation_checkpointing, init_seed=train_cfg.seed,
     )
 
 
@@ -237,6 +204,7 @@ class Trainer:
         self.sample_prompts = sample_prompt_ids(cfg.sample, self.data.tokenizer,
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
+        self.sample_precision = Precision.resolve(cfg.train.dtype, info.device, "sample")
         self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/materialize.py)
         self.parallel = build_parallel(self.model, cfg.train, cfg.data.seq_len, self.precision,
                                        info)
@@ -298,7 +266,7 @@ class Trainer:
             x_BT, y_BT = to_device(x_BT, info.device), to_device(y_BT, info.device)
             with pm.micro_step(sync=i == len(micro_batches) - 1):
                 with pm.autocast():
-                    loss = pm.module(x_BT, y_BT, reduction="sum")
+                    loss = pm.loss(x_BT, y_BT, reduction="sum")
                 (loss / tokens_per_rank).backward()
             loss_sum += loss.detach().double()
         # torch.full, not torch.tensor: a fill kernel instead of a host->device copy.
@@ -332,7 +300,8 @@ class Trainer:
         total = sum(v.weight for v in self.data.val)
         for v in self.data.val:
             result = evaluate(self.parallel.module, v.batches[:n_batches], self.data.token_bytes,
-                              self.info, precision=self.precision)
+                              self.info, precision=self.precision,
+                              loss_fn=self.parallel.head_loss)
             share = v.weight / total if total else 1 / len(self.data.val)
             means["val_loss"] += share * result.loss
             means["val_bpb"] += share * result.bits_per_byte
@@ -355,7 +324,7 @@ class Trainer:
         prompts, tokenizer = self.sample_prompts, self.data.tokenizer
         sampling = self.cfg.sample.params(seed=self.cfg.train.seed)
         sampling = sampling.fit(max(map(len, prompts)), self.model_cfg.max_seq_len)
-        with self.precision.autocast(self.sampler):
+        with self.sample_precision.autocast(self.sampler):
             outs = generate(self.sampler, prompts, sampling, stop_token=eot_id(tokenizer))
         texts = self.cfg.sample.prompts
         return [p + tokenizer.decode(o) for p, o in zip(texts, outs, strict=True)]

@@ -1,7 +1,7 @@
-"""The LM-head loss: beyond one chunk of tokens, by chunks (model.model.chunked_cross_entropy):
-the same loss and gradients as cross-entropy on the full logits, without ever building the
-B×T×V logits or their gradient; up to one chunk, the logits whole. Always reduced in fp32, also
-when the head matmul is bf16 (FSDP's bf16 parameters).
+"""The LM-head loss paths (pipeline.loss: eager ChunkedLoss, both logits kernels, and FusedLoss,
+eager and compiled): the same loss and gradients as cross-entropy on the full logits (the model's
+own `cross_entropy`), without ever building the B×T×V logits or their gradient. Always reduced
+in fp32, also when the head matmul is bf16 (autocast, FSDP's bf16 parameters).
 
 The 2-rank checks run this file as a torchrun worker (`python -m tests.test_chunked_loss OUT`).
 """
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model.model as mm_module
+import pipeline.loss as loss_module
 from model import GPT, ModelConfig
+from pipeline.loss import ChunkedLoss, FusedLoss, select_loss
 
 V_REAL = 1000  # padded to 1024 in the head: the padding columns must get no mass
 
@@ -49,31 +50,45 @@ def loss_and_grads(model: GPT, loss_fn, upstream=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def use_kernel(kernel: str, monkeypatch) -> str:
+    """An eager chunk's logits product: oneDNN's linear (fp32 on CPU) or torch.mm into the
+    reused buffer (every other device and dtype, or a torch without oneDNN)."""
+    if kernel == "onednn" and loss_module._ONEDNN_LINEAR is None:
+        pytest.skip("this torch has no oneDNN linear")
+    if kernel == "mm":
+        monkeypatch.setattr(loss_module, "_ONEDNN_LINEAR", None)
+    return kernel
+
+
 @pytest.fixture(params=["onednn", "mm"])
 def logits_kernel(request, monkeypatch):
-    """Each kernel of a chunk's logits product: oneDNN's linear (fp32 on CPU) and torch.mm into
-    the reused buffer (every other device and dtype, or a torch without oneDNN)."""
-    if request.param == "onednn" and mm_module._ONEDNN_LINEAR is None:
-        pytest.skip("this torch has no oneDNN linear")
-    if request.param == "mm":
-        monkeypatch.setattr(mm_module, "_ONEDNN_LINEAR", None)
-    return request.param
+    return use_kernel(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["eager-onednn", "eager-mm", "fused"])
+def path(request, monkeypatch):
+    """Each loss path, as a function of the chunk size: ChunkedLoss with each logits kernel, and
+    FusedLoss run eagerly (compiled: tests/test_compile.py and the 2-rank check below)."""
+    if request.param == "fused":
+        return FusedLoss
+    use_kernel(request.param.split("-")[1], monkeypatch)
+    return ChunkedLoss
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("chunk", [7, 48, 4096])  # uneven last chunk; one chunk per row; one in all
 @pytest.mark.parametrize("tie", [True, False])
-def test_loss_and_gradients_equal_the_plain_path(reduction, chunk, tie, logits_kernel):
+def test_loss_and_gradients_equal_the_plain_path(reduction, chunk, tie, path):
     torch.manual_seed(0)
     model = GPT(tiny(tie_embeddings=tie))
     with torch.no_grad():  # make the padding rows of the head dominate if they were not masked
         model.lm_head.weight[V_REAL:] = 3.0
-    model.loss_chunk_tokens = chunk
     idx_BT, targets_BT = batch()
     # "none" with a different upstream gradient per token: the backward that recomputes chunks.
     upstream = torch.rand(targets_BT.shape) if reduction == "none" else None
     ref, ref_grads = loss_and_grads(model, lambda: plain_loss(model, idx_BT, targets_BT, reduction), upstream)
-    got, grads = loss_and_grads(model, lambda: model(idx_BT, targets_BT, reduction=reduction), upstream)
+    got, grads = loss_and_grads(
+        model, lambda: model(idx_BT, targets_BT, reduction=reduction, loss_fn=path(chunk)), upstream)
     assert got.dtype == torch.float32 and got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=2e-5 if reduction == "sum" else 1e-6)
     for name, g in grads.items():
@@ -99,14 +114,13 @@ class LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
-def test_never_builds_the_full_logits_nor_their_gradient(reduction):
+def test_never_builds_the_full_logits_nor_their_gradient(reduction, path):
     torch.manual_seed(0)
     model = GPT(tiny())
-    model.loss_chunk_tokens = 8
     B, T, V = 4, 32, model.cfg.padded_vocab_size
     idx_BT, targets_BT = batch(B, T)
     with LargestTensor() as seen:
-        model(idx_BT, targets_BT, reduction=reduction).sum().backward()
+        model(idx_BT, targets_BT, reduction=reduction, loss_fn=path(8)).sum().backward()
     # The largest tensors left are the head weight and its gradient (V×D), or a chunk's logits.
     assert seen.numel <= max(8 * V, V * model.cfg.d_model) < B * T * V, (seen.numel, B * T * V)
     with LargestTensor() as seen_plain:  # the check can fail: the plain path trips it
@@ -114,26 +128,15 @@ def test_never_builds_the_full_logits_nor_their_gradient(reduction):
     assert seen_plain.numel >= B * T * V_REAL
 
 
-def test_logits_of_one_chunk_are_built_whole_and_equal_the_chunked_path():
-    """With loss_whole_tokens = loss_chunk_tokens (what a compiled run sets), at most one chunk of
-    tokens builds the logits whole (plain ops torch.compile fuses); one token more goes by
-    chunks. Both give the same loss and gradients."""
+def test_chunk_size_follows_the_vocabulary():
+    """Unset, a chunk is LOSS_CHUNK_ELEMS // V tokens: at V 1,024 a 4x32 batch is one chunk."""
+    assert loss_module.chunk_tokens(50304) == 2**23 // 50304 and loss_module.chunk_tokens(2**30) == 1
     torch.manual_seed(0)
     model = GPT(tiny())
-    B, T, V = 4, 32, model.cfg.padded_vocab_size
-    idx_BT, targets_BT = batch(B, T)
-    seen, results = {}, {}
-    for chunk in (B * T, B * T - 1):
-        model.loss_chunk_tokens = model.loss_whole_tokens = chunk
-        with LargestTensor() as largest:
-            results[chunk] = loss_and_grads(model, lambda: model(idx_BT, targets_BT))
-        seen[chunk] = largest.numel
-    assert seen[B * T] >= B * T * V_REAL  # whole: the full logits exist
-    assert seen[B * T - 1] <= max((B * T - 1) * V, V * model.cfg.d_model) < B * T * V
-    (whole, whole_grads), (chunked, chunked_grads) = results.values()
-    torch.testing.assert_close(whole, chunked, rtol=1e-6, atol=1e-6)
-    for name, g in whole_grads.items():
-        torch.testing.assert_close(g, chunked_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    idx_BT, targets_BT = batch(4, 32)
+    with LargestTensor() as seen:
+        model(idx_BT, targets_BT, loss_fn=FusedLoss()).backward()
+    assert seen.numel >= 4 * 32 * model.cfg.padded_vocab_size  # one chunk: the whole logits
 
 
 class FreshLogitsBuffers(TorchDispatchMode):
@@ -157,17 +160,17 @@ class FreshLogitsBuffers(TorchDispatchMode):
 
 @pytest.mark.parametrize("reduction, passes", [("sum", 1), ("none", 2)])
 def test_chunks_reuse_their_buffers_whatever_their_number(reduction, passes, logits_kernel):
-    """A fresh C×V tensor per chunk costs page faults and memory traffic on CPU: every chunk
-    writes its log-probabilities and gradient into one buffer allocated once per pass (forward;
-    and the per-token backward, which recomputes), and its logits into another, except oneDNN's
-    logits (fp32 on CPU), a fresh tensor per chunk: its product is faster by more than that."""
+    """A fresh C×V tensor per chunk costs page faults and memory traffic on CPU: every eager
+    chunk writes its log-probabilities and gradient into one buffer allocated once per pass
+    (forward; and the per-token backward, which recomputes), and its logits into another, except
+    oneDNN's logits (fp32 on CPU), a fresh tensor per chunk: its product is faster by more than
+    that. (Compiled, FusedLoss's buffers are inductor's to plan.)"""
     torch.manual_seed(0)
     model = GPT(tiny())
-    model.loss_chunk_tokens = 8
     V = model.cfg.padded_vocab_size
     idx_BT, targets_BT = batch(4, 32)  # 16 chunks
     with FreshLogitsBuffers(V) as seen:
-        model(idx_BT, targets_BT, reduction=reduction).sum().backward()
+        model(idx_BT, targets_BT, reduction=reduction, loss_fn=ChunkedLoss(8)).sum().backward()
     assert seen.count == (1 + 16 if logits_kernel == "onednn" else 2) * passes, seen.count
     with FreshLogitsBuffers(V) as seen_plain:  # the counter sees the plain path's logits
         plain_loss(model, idx_BT, targets_BT, "sum").backward()
@@ -187,17 +190,16 @@ def exact_token_losses(model: GPT, idx_BT, targets_BT) -> torch.Tensor:
 BF16_TOKEN_TOL, BF16_MEAN_TOL = 5e-3, 5e-4
 
 
-@pytest.mark.parametrize("chunk", [16, None])  # chunked; logits of one chunk, built whole
-def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk):
+@pytest.mark.parametrize("chunk", [16, None])  # chunked; logits of one chunk
+@pytest.mark.parametrize("loss_fn", [ChunkedLoss, FusedLoss])
+def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk, loss_fn):
     torch.manual_seed(0)
     model = GPT(tiny())
-    model.loss_chunk_tokens = chunk or model.loss_chunk_tokens
-    model.loss_whole_tokens = 0 if chunk else model.loss_chunk_tokens
     idx_BT, targets_BT = batch(4, 32)
     exact_BT = exact_token_losses(model, idx_BT, targets_BT)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got_BT = model(idx_BT, targets_BT, reduction="none")
-        mean = model(idx_BT, targets_BT)
+        got_BT = model(idx_BT, targets_BT, reduction="none", loss_fn=loss_fn(chunk))
+        mean = model(idx_BT, targets_BT, loss_fn=loss_fn(chunk))
     assert got_BT.dtype == mean.dtype == torch.float32
     assert (got_BT.double() - exact_BT).abs().max() < BF16_TOKEN_TOL
     valid_BT = targets_BT != -100
@@ -209,8 +211,9 @@ def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk):
 
 def dist_worker(out_path: str) -> None:
     """Each rank: the loss and gradients of its half of a batch, under DDP, FSDP2, FSDP2 bf16 and
-    compiled DDP / FSDP2 (whole model / per-block units + head loss); rank 0 writes the largest
-    differences from the plain single-process path."""
+    compiled DDP / FSDP2 (whole model with the fused loss in its graph / per-block units and the
+    fused loss compiled alone); rank 0 writes the largest differences from the plain
+    single-process path."""
     from pipeline.distributed import distributed
 
     with distributed("cpu") as info:
@@ -221,6 +224,8 @@ def dist_worker(out_path: str) -> None:
 
 
 def dist_results(info) -> dict:
+    from dataclasses import replace
+
     from torch.distributed.tensor import DTensor
 
     from pipeline.parallelize import Precision, parallelize
@@ -238,11 +243,12 @@ def dist_results(info) -> dict:
                                      ("fsdp", True, False), ("ddp", False, True), ("fsdp", False, True)):
         torch.manual_seed(0)
         model = GPT(cfg)
-        model.loss_chunk_tokens = 16
         precision = Precision(torch.bfloat16 if bf16 else torch.float32, info.device)
-        trained = parallelize(model, info, parallel=parallel, precision=precision,
-                              compile_model=compiled, activation_checkpointing=False).module
-        loss_BT = trained(idx_BT[mine], targets_BT[mine], reduction="none")
+        pm = parallelize(model, info, parallel=parallel, precision=precision,
+                         compile_model=compiled, activation_checkpointing=False)
+        # The loss parallelize selects, by chunks of 16 tokens (4 chunks of this rank's 64).
+        pm = replace(pm, head_loss=select_loss(compiled, parallel != "fsdp", chunk=16))
+        loss_BT = pm.loss(idx_BT[mine], targets_BT[mine], reduction="none")
         loss_BT.sum().backward()
         name = parallel + ("_bf16" if bf16 else "") + ("_compiled" if compiled else "")
         if bf16:

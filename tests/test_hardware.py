@@ -76,6 +76,30 @@ def test_measured_native_cpu_picks_bf16_only_when_faster(monkeypatch, lines):
     assert hardware.resolve_dtype("auto", CPU) == torch.float32
 
 
+def test_auto_chooses_per_workload_and_says_so_in_one_line(monkeypatch, lines):
+    """Training and eval run big products (bf16 wins on a native CPU); sampling decodes a few
+    rows per step, probed apart: where bf16 loses there, sampling runs in fp32."""
+    fake_cpu(monkeypatch, {"avx512f", "avx512_bf16"}, 260e9, 160e9)
+    monkeypatch.setattr(hardware, "measure_decode_bf16_fp32", lambda: (20e9, 40e9))
+    assert hardware.resolve_dtype("auto", CPU, "train") == torch.bfloat16
+    assert hardware.resolve_dtype("auto", CPU, "eval") == torch.bfloat16
+    assert hardware.resolve_dtype("auto", CPU, "sample") == torch.float32
+    train, eval_, sample = lines()
+    assert train.startswith("dtype auto -> bf16: ") and eval_.startswith("dtype auto -> bf16 for eval: ")
+    assert sample == ("dtype auto -> fp32 for sampling: this CPU decodes faster in fp32 "
+                      "(bf16 decode step 20 GFLOP/s vs fp32 40)")
+    hardware.cpu_bf16.cache_clear()
+    monkeypatch.setattr(hardware, "measure_decode_bf16_fp32", lambda: (60e9, 40e9))
+    assert hardware.resolve_dtype("auto", CPU, "sample") == torch.bfloat16
+    with pytest.raises(ValueError, match="workload"):
+        hardware.resolve_dtype("auto", CPU, "decode")
+
+
+def test_real_decode_probe_measures_both_dtypes():
+    bf16, fp32 = hardware.measure_decode_bf16_fp32()
+    assert bf16 > 0 and fp32 > 0
+
+
 def test_explicit_bf16_on_emulating_cpu_runs_with_one_warning(monkeypatch, lines):
     fake_cpu(monkeypatch, {"avx2"}, 0.3e9, 160e9)
     assert hardware.resolve_dtype("bf16", CPU) == torch.bfloat16

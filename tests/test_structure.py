@@ -84,6 +84,74 @@ def test_allowed_imports_pass():
     assert not violations("from data_prep.shards import load_manifest\n", "pipeline.data")
 
 
+# ---- model/ is a model: no private torch op; pipeline/ never sets attributes on it -----------
+
+
+MODEL_NAMES = {"model", "module", "gpt", "trained", "sampler"}
+
+
+def model_attribute_writes(source: str) -> list[int]:
+    """Lines where an attribute of something named like a model is assigned (or setattr'd)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for t in targets:
+            base = t.value if isinstance(t, ast.Attribute) else None
+            if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) \
+                    and base.value.id == "self":
+                base = ast.Name(base.attr)  # self.model.x = ...
+            if isinstance(base, ast.Name) and base.id in MODEL_NAMES:
+                lines.append(node.lineno)
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+                and node.args and getattr(node.args[0], "id", None) in MODEL_NAMES):
+            lines.append(node.lineno)
+    return lines
+
+
+def private_torch_uses(source: str) -> list[int]:
+    """Lines using torch.ops.* or a private torch attribute (torch._x, torch.a._b)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id == "torch":
+                if chain[-1] == "ops" or any(part.startswith("_") for part in chain):
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def sources(package: str):
+    for path in sorted((ROOT / package).rglob("*.py")):
+        yield path.relative_to(ROOT), path.read_text(encoding="utf-8")
+
+
+def test_model_uses_no_private_torch_op():
+    found = [f"{path}:{line}" for path, src in sources("model") for line in private_torch_uses(src)]
+    assert not found, "private torch ops in model/ (kernel choices belong in pipeline/loss.py): " \
+        + ", ".join(found)
+
+
+def test_pipeline_never_sets_attributes_on_the_model():
+    found = [f"{path}:{line}" for path, src in sources("pipeline")
+             for line in model_attribute_writes(src)]
+    assert not found, "pipeline/ sets model attributes (pass choices explicitly): " + ", ".join(found)
+
+
+@pytest.mark.parametrize("source, check", [
+    ("model.chunked_loss = torch.compiler.disable(model.chunked_loss)\n", model_attribute_writes),
+    ("self.model.loss_whole_tokens = 4\n", model_attribute_writes),
+    ("setattr(module, 'x', 1)\n", model_attribute_writes),
+    ("f = torch.ops.mkldnn._linear_pointwise\n", private_torch_uses),
+    ("torch._dynamo.reset()\n", private_torch_uses),
+])
+def test_the_model_checks_can_fail(source, check):
+    assert check(source), source
+
+
 # ---- the parallel wrapper's contract: mode-specific behaviour stays inside ParallelModel -------
 
 

@@ -67,7 +67,12 @@ def test_train_bench_smoke(monkeypatch):
     assert [r[1:3] for r in rows] == [["lmforge", "eager"], ["gpt2", "eager"], ["hf", "eager"]]
     for r in rows:
         assert float(r[3]) > 0 and float(r[6]) > 0, r  # tok/s, peak MB
-    assert "A: lmforge eager" in out and "x hf eager; peak memory" in out
+        assert float(r[8]) > 0, r  # the profiler's matmul ms per step
+    assert "A: lmforge's best is lmforge eager" in out
+    # fp32: the no-regression targets, each ok or MISSED
+    assert "A: lmforge eager / best peer" in out and "(target >= 1.05x)" in out
+    assert "non-matmul" not in out  # no compiled GPT-2 in the smoke set to compare with
+    assert "peak memory / HF eager's" in out and "step time / its matmuls' time" in out
     assert "peak RSS of a fresh process" in out
     assert "largest micro-batch in HF's budget:" in out
 

@@ -1,0 +1,215 @@
+"""The LM-head cross-entropy paths the pipeline chooses between (the model's own default,
+`model.model.cross_entropy`, builds the full logits: a reference, not what training runs).
+
+Every path is a `HeadLoss`: called as loss(h_BTD, w_VD, targets_BT, vocab_size, reduction,
+ignore_index) on the final hidden states and the head weight (`GPT.forward(..., loss_fn=...)`),
+it returns the fp32 loss of softmax(h @ wᵀ) over the first vocab_size columns. Two of them, one
+math (`_Chunked` below, by chunks of tokens: memory O(chunk·V), no B×T×V logits nor gradient):
+
+- `ChunkedLoss` (eager runs): each chunk's logits, log-probabilities and gradient go into two
+  buffers allocated once per pass. A fresh C×V tensor per chunk costs a page fault per 4 KiB on
+  CPU (glibc hands blocks that big back to the OS) and each eager op is one more pass over it. On
+  CPU in fp32 the chunk's logits come from oneDNN's linear instead (a fresh output, but a faster
+  product there; bench/results/train_bench_avx2.txt): the one kernel chosen for one CPU kind.
+- `FusedLoss` (compiled runs): the same chunk loop in functional ops, traced by torch.compile
+  with the model (or alone under FSDP2, where the blocks are compiled apart: `select_loss`).
+  Inductor fuses each chunk's upcast, log-sum-exp, softmax - one_hot and cast into a few passes
+  and plans the chunks' buffers within one graph (no eager allocation per op); at most one chunk
+  of tokens, that is the whole logits in the graph.
+
+Summed or averaged, the gradients are computed chunk by chunk in the forward pass, where the
+logits are at hand, and only scaled in backward. Per token ("none"), the upstream gradient
+differs by token, so backward recomputes each chunk instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+HeadLoss = Callable[..., torch.Tensor]
+
+# A chunk's fp32 logits stay within 2^23 elements (32 MiB): memory O(chunk x V) whatever the
+# batch, and a chunk still hundreds of tokens tall at small vocabularies, so its matmuls run at
+# full rate.
+LOSS_CHUNK_ELEMS = 2**23
+
+# oneDNN's linear as a chunk's fp32 logits kernel on CPU (None where this torch has no oneDNN).
+_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+                  if torch.backends.mkldnn.is_available() else None)
+
+
+def chunk_tokens(padded_vocab: int) -> int:
+    """Tokens per chunk of the loss at this (padded) vocabulary: LOSS_CHUNK_ELEMS // V."""
+    return max(1, LOSS_CHUNK_ELEMS // padded_vocab)
+
+
+def compute_operands(h_BTD: torch.Tensor, w_VD: torch.Tensor):
+    """h and w in the dtype the head matmul computes in: autocast's dtype when autocast is on,
+    else the weight's (FSDP2's bf16 parameters)."""
+    device = h_BTD.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_VD.dtype
+    return h_BTD.to(dtype), w_VD.to(dtype)
+
+
+# ---- the two bodies of one chunk: logits_CV -> (loss_C, d loss / d logits in h's dtype) -----
+
+
+def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
+    """Into the reused buffers: logits, then log-probabilities, then (in place) the gradient."""
+    C = len(h_CD)
+    logp_CV = bufs["logp"][:C]
+    if bufs["logits"] is None:  # oneDNN: its own fresh output, freed before the next chunk's
+        logits_CV = _ONEDNN_LINEAR(h_CD.contiguous(), w_VD, None, "none", [], "")
+    elif h_CD.dtype == torch.float32:
+        logits_CV = torch.mm(h_CD, w_VD.T, out=bufs["logits"][:C])
+    else:
+        logits_CV = bufs["logits"][:C].copy_(h_CD @ w_VD.T)
+    logits_CV[:, vocab_size:] = float("-inf")  # padded columns: no probability mass, no gradient
+    torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
+    del logits_CV
+    loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
+    if not want_grad:
+        return loss_C, None
+    grad_CV = logp_CV.exp_()
+    grad_CV[bufs["rows"][:C], safe_C] -= 1.0
+    return loss_C, grad_CV.to(h_CD.dtype)
+
+
+def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
+    """Functional ops only, so that inductor can fuse them (it turns out= and in-place writes
+    into copies)."""
+    logits_CV = (h_CD @ w_VD.T).float()
+    cols_V = torch.arange(w_VD.shape[0], device=h_CD.device)
+    logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
+    lse_C = logits_CV.logsumexp(dim=-1)
+    loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
+    if not want_grad:
+        return loss_C, None
+    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - (cols_V == safe_C[:, None]).float()
+    return loss_C, grad_CV.to(h_CD.dtype)
+
+
+def _eager_buffers(h_ND, w_VD, C):
+    f32 = dict(dtype=torch.float32, device=h_ND.device)
+    onednn = (_ONEDNN_LINEAR is not None and h_ND.device.type == "cpu"
+              and h_ND.dtype == torch.float32)
+    return {"logits": None if onednn else torch.empty(C, w_VD.shape[0], **f32),
+            "logp": torch.empty(C, w_VD.shape[0], **f32),
+            "rows": torch.arange(C, device=h_ND.device)}
+
+
+def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_scale_N=None):
+    """Loss of N tokens (fp32) by chunks of `chunk` tokens and, when grad_scale_N is given, the
+    gradients of sum(grad_scale_N * loss_N) w.r.t. h_ND (its dtype) and w_VD (fp32):
+    (loss_N, grad_h_ND, grad_w_VD). The per-token scale goes on the D-wide factors, never on the
+    C×V gradient."""
+    valid_N = targets_N != ignore_index
+    safe_N = torch.where(valid_N, targets_N, 0)
+    want_grad = grad_scale_N is not None
+    bufs = _eager_buffers(h_ND, w_VD, min(chunk, len(targets_N))) if body is _eager_body else None
+    losses, grads_h = [], []
+    if want_grad:
+        scale_N1 = torch.where(valid_N, grad_scale_N, 0.0)[:, None].to(h_ND.dtype)
+        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
+    for start in range(0, len(targets_N), chunk):
+        part = slice(start, start + chunk)
+        h_CD = h_ND[part]
+        loss_C, grad_CV = body(h_CD, w_VD, safe_N[part], vocab_size, bufs, want_grad)
+        losses.append(loss_C)
+        if not want_grad:
+            continue
+        grads_h.append((grad_CV @ w_VD) * scale_N1[part])
+        hs_CD = h_CD * scale_N1[part]
+        if grad_CV.dtype == torch.float32:
+            grad_w_VD.addmm_(grad_CV.T, hs_CD)
+        else:  # no mixed-dtype addmm on CPU: a bf16 product added in fp32
+            grad_w_VD += grad_CV.T @ hs_CD
+    loss_N = torch.where(valid_N, torch.cat(losses), 0.0)
+    if not want_grad:
+        return loss_N, None, None
+    return loss_N, torch.cat(grads_h), grad_w_VD
+
+
+class _Chunked(torch.autograd.Function):
+    """Cross-entropy of softmax(h @ wᵀ) by chunks of tokens, with `body` doing each chunk."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, per_token, body):
+        ctx.args = (vocab_size, ignore_index, chunk)
+        ctx.per_token, ctx.body = per_token, body
+        if per_token:
+            ctx.save_for_backward(h_ND, w_VD, targets_N)
+            return _chunks(body, h_ND, w_VD, targets_N, *ctx.args)[0]
+        ones_N = torch.ones(len(targets_N), device=h_ND.device)
+        loss_N, grad_h_ND, grad_w_VD = _chunks(body, h_ND, w_VD, targets_N, *ctx.args, ones_N)
+        ctx.save_for_backward(grad_h_ND, grad_w_VD.to(w_VD.dtype))
+        return loss_N.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.per_token:
+            h_ND, w_VD, targets_N = ctx.saved_tensors
+            _, grad_h_ND, grad_w_VD = _chunks(ctx.body, h_ND, w_VD, targets_N, *ctx.args,
+                                              grad_loss.float())
+            return grad_h_ND, grad_w_VD.to(w_VD.dtype), None, None, None, None, None, None
+        grad_h_ND, grad_w_VD = ctx.saved_tensors
+        return grad_h_ND * grad_loss, grad_w_VD * grad_loss, None, None, None, None, None, None
+
+
+def _chunked_loss(body, h_BTD, w_VD, targets_BT, vocab_size, reduction, ignore_index, chunk):
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    h_BTD, w_VD = compute_operands(h_BTD, w_VD)
+    h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
+    chunk = chunk or chunk_tokens(w_VD.shape[0])
+    if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
+        loss = _Chunked.apply(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk,
+                              reduction == "none", body)
+    else:  # evaluation: the loss alone (the Function would also build the gradients)
+        loss_N = _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk)[0]
+        loss = loss_N if reduction == "none" else loss_N.sum()
+    if reduction == "none":
+        return loss.view(targets_BT.shape)
+    if reduction == "mean":
+        return loss / (targets_N != ignore_index).sum()
+    return loss
+
+
+@dataclass(frozen=True)
+class ChunkedLoss:
+    """The eager path. chunk: tokens per chunk (None: chunk_tokens of the head's vocabulary)."""
+
+    chunk: int | None = None
+
+    def __call__(self, h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=-100):
+        return _chunked_loss(_eager_body, h_BTD, w_VD, targets_BT, vocab_size, reduction,
+                             ignore_index, self.chunk)
+
+
+EAGER_LOSS = ChunkedLoss()  # the default of what computes a loss without being told (eval)
+
+
+@dataclass(frozen=True)
+class FusedLoss:
+    """The path torch.compile fuses (same numbers as ChunkedLoss to fp32 rounding)."""
+
+    chunk: int | None = None
+
+    def __call__(self, h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=-100):
+        return _chunked_loss(_fused_body, h_BTD, w_VD, targets_BT, vocab_size, reduction,
+                             ignore_index, self.chunk)
+
+
+def select_loss(compiled: bool, compiled_with_model: bool, chunk: int | None = None) -> HeadLoss:
+    """The loss a run computes: eager ChunkedLoss when nothing is compiled; FusedLoss when it is,
+    traced with the model's graph (compiled_with_model) or compiled on its own (FSDP2 compiles
+    the blocks apart, so the loss is its own region). dynamic=False: training's shape and eval's
+    each get one static graph."""
+    if not compiled:
+        return ChunkedLoss(chunk)
+    if compiled_with_model:
+        return FusedLoss(chunk)
+    return torch.compile(FusedLoss(chunk), dynamic=False)
