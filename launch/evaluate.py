@@ -25,12 +25,12 @@ from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_b
 from launch.cli import ArgumentParser
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
-from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo, distributed
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
 from pipeline.hardware import dtype_name
 from pipeline.parallelize import Precision
 from pipeline.typed_config import number
+from pipeline.windows import TokenWindows
 
 FSDP_BF16_REL_TOL = 5e-4
 """How far a bf16 FSDP run's logged val loss may lie from this eval's: the norm gains rounded to

@@ -18,9 +18,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from pipeline.config import CALIBRATION_STEPS, JobConfig
+import torch
+
+from pipeline.config import CALIBRATION_STEPS, JobConfig, save_resolved
+from pipeline.distributed import DistInfo, all_reduce_max
+from pipeline.metrics import get_logger
+from pipeline.run_dir import RunDir
+
+log = get_logger()
 
 SAFETY = 0.9
 """Fraction of the remaining time planned for: step times drift (thermal, a shared machine)."""
@@ -63,12 +72,14 @@ class BudgetPlan:
     fits: bool  # False: even the shortest allowed run (warmup + 1 step) overruns the budget
 
 
-def apply(cfg: JobConfig, p: BudgetPlan) -> None:
-    """Fix the run's length in `cfg`, in place (the training loop holds this object); the
-    budget is turned off, so the resolved config reproduces the run."""
-    cfg.train.max_steps, cfg.train.time_budget_s = p.max_steps, 0.0
-    cfg.eval.every, cfg.sample.every = p.eval_every, p.sample_every
-    cfg.checkpoint.every, cfg.log.log_every = p.checkpoint_every, p.log_every
+def apply(cfg: JobConfig, p: BudgetPlan) -> JobConfig:
+    """`cfg` with the run's length fixed by `p` and the budget turned off, so the resolved config
+    reproduces the run; the trainer rebinds to it once."""
+    return replace(
+        cfg, train=replace(cfg.train, max_steps=p.max_steps, time_budget_s=0.0),
+        eval=replace(cfg.eval, every=p.eval_every), sample=replace(cfg.sample, every=p.sample_every),
+        checkpoint=replace(cfg.checkpoint, every=p.checkpoint_every),
+        log=replace(cfg.log, log_every=p.log_every))
 
 
 def plan_of(cfg: JobConfig) -> BudgetPlan:
@@ -137,3 +148,63 @@ class TimeBudget:
         it is the only one."""
         durations = sorted(self.durations[1:] or self.durations)
         return durations[len(durations) // 2]
+
+
+class RunLength:
+    """train.time_budget_s: times the first steps, then fixes the run's length once: `cfg` is
+    then the config with that length (the trainer rebinds to it) and the run's config.toml says
+    so. Idle without a budget and after."""
+
+    def __init__(self, cfg: JobConfig, info: DistInfo, run_dir: Path):
+        self.cfg, self.info, self.run_dir = cfg, info, run_dir
+        self.clock = TimeBudget(cfg.train.time_budget_s) if cfg.train.time_budget_s else None
+
+    def keep_fixed(self, saved: JobConfig) -> None:
+        """Resuming a run whose length is already fixed (budget measured, or none): keep that
+        length. The budget sizes a run once; measuring again would change its lr schedule."""
+        if self.clock is None or saved.train.time_budget_s:
+            return  # no budget, or a checkpoint from before the measurement: it happens again
+        self.cfg = apply(self.cfg, plan_of(saved))
+        self.clock = None
+        log.info("time budget: this run's length was fixed when it started: %d steps (not "
+                 "measured again)", self.cfg.train.max_steps)
+
+    def step_done(self, step: int, step_s: float,
+                  hook_costs: Callable[[], HookCosts]) -> BudgetPlan | None:
+        """After each step (`step_s`: its own duration); at the end of calibration, fixes the
+        length and returns its plan."""
+        tb = self.clock
+        if tb is None:
+            return None
+        tb.step_done(step_s)
+        if not tb.ready(step, self.cfg.optim.warmup_steps):
+            return None
+        costs = hook_costs()
+        # Every rank must choose the same length, and every hook lasts as long as its slowest
+        # rank (rank 0 alone writes the samples): plan from the ranks' largest measurements.
+        measured = torch.tensor([tb.step_seconds(), costs.eval_s, costs.sample_s, tb.elapsed()],
+                                dtype=torch.float64, device=self.info.device)
+        step_s, eval_s, sample_s, elapsed = all_reduce_max(measured, self.info).tolist()
+        costs = replace(costs, eval_s=eval_s, sample_s=sample_s)
+        cap = self.cfg.train.max_steps
+        p = plan(self.cfg, elapsed, step, step_s, costs, tb.budget_s)
+        self.cfg = apply(self.cfg, p)
+        self.clock = None
+        if self.info.is_main:
+            save_resolved(self.cfg, self.run_dir)
+        self._report(p, costs, step_s, step, cap, tb.budget_s)
+        return p
+
+    def _report(self, p: BudgetPlan, costs: HookCosts, step_s: float, step: int,
+                cap: int, budget_s: float) -> None:
+        tok_s = self.cfg.train.global_batch_tokens / step_s
+        log.info("time budget %g s: %.2f s/step (%s tokens/s, steps timed to step %d), eval %.1f s, "
+                 "samples %.1f s, checkpoint ~%.1f s -> max_steps %d (at most %d), ~%.0f s in all; "
+                 "eval every %d, samples every %d, checkpoints every %d (in %s)",
+                 budget_s, step_s, f"{tok_s:,.0f}", step, costs.eval_s, costs.sample_s,
+                 costs.checkpoint_s, p.max_steps, cap, p.estimated_s, p.eval_every,
+                 p.sample_every, p.checkpoint_every, RunDir(self.run_dir).config)
+        if not p.fits:
+            log.warning("time budget %g s: even %d steps (warmup + 1) need ~%.0f s; raise "
+                        "train.time_budget_s or lower optim.warmup_steps", budget_s,
+                        p.max_steps, p.estimated_s)

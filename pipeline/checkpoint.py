@@ -53,7 +53,7 @@ from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_
 from pipeline.distributed import DistInfo, barrier
 from pipeline.metrics import get_logger
 from pipeline.run_dir import RunDir
-from pipeline.safe_dcp import CheckpointError, load_into, refusal
+from pipeline.safe_dcp import CheckpointError, load_into, load_strict, refusal
 
 FORMAT = "lmforge-checkpoint"
 VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
@@ -437,34 +437,9 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
         with _single_process_ok():
             load_into(box, ckpt, no_dist=True)
         state = box["model"]
-    _load_strict(model, state, meta.model, ckpt)
+    load_strict(model, state, meta.model.tie_embeddings, ckpt)
     model.to(device).eval()
     return LoadedCheckpoint(model=model, path=ckpt, tokenizer_dir=ckpt / "tokenizer", meta=meta)
-
-
-def _misfit(where: Path, detail: str) -> CheckpointError:
-    return CheckpointError(
-        f"weights in {where} do not fit the model described by its meta.json ({detail}); "
-        "the checkpoint is corrupt or was assembled from two runs"
-    )
-
-
-def _check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: Path) -> None:
-    wrong = [f"{k}: {tuple(found[k])} vs {tuple(v)}" for k, v in expected.items() if k in found and found[k] != v]
-    if wrong:
-        raise _misfit(where, "shape " + "; ".join(wrong[:2]))
-
-
-def _load_strict(model: GPT, state: dict, cfg: ModelConfig, where: Path) -> None:
-    _check_shapes({k: v.shape for k, v in model.state_dict().items()},
-                  {k: v.shape for k, v in state.items()}, where)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied_ok = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    missing = [k for k in missing if k not in tied_ok]
-    if missing or unexpected:
-        raise _misfit(where, f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -1,10 +1,7 @@
 """The training loader: rows of one prepared split, or a weighted mixture of several, in a
 seeded global order.
 
-A split's shards are read as one concatenated token stream. Window i is the seq_len + 1 tokens
-starting at i * seq_len (input = w[:-1], target = w[1:]); the stride is seq_len, so consecutive
-windows share one token and every next-token pair of the stream is trained exactly once per epoch
-(a stride of seq_len + 1 would never train the pair across each window boundary).
+A split's windows are pipeline.windows.TokenWindows (the split read as one token stream).
 
 The order is global, not per rank: each epoch is one permutation of all windows, seeded by
 (seed, epoch), and every optimizer step consumes the next G = micro_batch_size *
@@ -25,7 +22,6 @@ every source's (epoch, position), so a mixture resumes exactly on any world size
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,90 +31,13 @@ import numpy as np
 import torch
 
 from data_prep.errors import DataError
-from data_prep.shards import ShardError, check_shard, load_manifest, map_tokens
 from model.model import IGNORE_INDEX
 from pipeline.data_config import phase_start
 from pipeline.metrics import get_logger
+from pipeline.rows import StreamRows
+from pipeline.windows import TokenWindows
 
 log = get_logger()
-
-
-class TokenWindows:
-    """The token stream of one split, read through np.memmap; never loaded into RAM."""
-
-    def __init__(self, data_dir: str | os.PathLike, split: str, seq_len: int,
-                 expected_vocab_size: int | None):
-        """`expected_vocab_size`: the model's vocabulary; None or 0 (= take it from the data)
-        skips the check."""
-        manifest = load_manifest(data_dir)
-        if expected_vocab_size and manifest.vocab_size != expected_vocab_size:
-            raise DataError(
-                f"data vocab {manifest.vocab_size} vs model vocab {expected_vocab_size} in "
-                f"{data_dir}; set model.vocab_size = {manifest.vocab_size} (or 0 to take it from "
-                "the data), or re-prepare the data with the model's tokenizer")
-        infos = [s for s in manifest.shards if s.split == split]
-        # Start-up reads each shard's 32-byte header and size, never its tokens: O(shards), not
-        # O(bytes) (hashing 10B tokens on every rank took minutes). A truncated or mismatched
-        # shard fails here; a damaged payload is caught by the token-range check on every read
-        # when it yields an id outside the vocabulary, and fully by `lmforge prepare --verify`.
-        self.paths = [manifest.data_dir / s.file for s in infos]
-        # Kept so that a read maps a shard without reading its header again.
-        self.dtypes = [check_shard(path, info, manifest.vocab_size, checksum=False)
-                       for path, info in zip(self.paths, infos, strict=True)]
-        self.vocab_size = manifest.vocab_size
-        self.eot_id = manifest.eot_id
-        self.split = split
-        self.seq_len = seq_len
-        # starts[k] = stream position of shard k's first token; starts[-1] = total tokens.
-        self.starts = np.cumsum([0] + [s.tokens for s in infos])
-        self.num_tokens = int(self.starts[-1])
-        self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
-        if self.num_windows == 0:
-            raise DataError(
-                f"the {split} split of {data_dir} has {self.num_tokens} tokens, fewer than "
-                f"seq_len + 1 = {seq_len + 1}; lower data.seq_len or prepare more data")
-
-    def tokens(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the split's stream as int64, across shard boundaries."""
-        return self._read(start, stop, {})
-
-    def windows(self, indices) -> np.ndarray:
-        """int64 array (len(indices), seq_len + 1); a window may span shard boundaries."""
-        # Fresh memmaps per call, dropped on return: a long-lived np.memmap keeps every page it
-        # touched mapped, growing the process's memory over an epoch (nanoGPT's note).
-        shards: dict[int, np.ndarray] = {}
-        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
-        for row, i in enumerate(indices):
-            if not 0 <= i < self.num_windows:
-                raise IndexError(f"window {i} out of range [0, {self.num_windows})")
-            start = int(i) * self.seq_len
-            out[row] = self._read(start, start + self.seq_len + 1, shards)
-        return out
-
-    def _read(self, start: int, stop: int, shards: dict[int, np.ndarray]) -> np.ndarray:
-        if not 0 <= start <= stop <= self.num_tokens:
-            raise IndexError(f"tokens [{start}, {stop}) out of range [0, {self.num_tokens})")
-        out, pos = np.empty(stop - start, dtype=np.int64), start
-        while pos < stop:
-            k = int(np.searchsorted(self.starts, pos, side="right")) - 1
-            if k not in shards:
-                shards[k] = map_tokens(self.paths[k], self.dtypes[k],
-                                       int(self.starts[k + 1] - self.starts[k]))
-            end = min(stop, int(self.starts[k + 1]))
-            first = int(self.starts[k])
-            out[pos - start:end - start] = shards[k][pos - first:end - first]
-            self._check_ids(out[pos - start:end - start], k)
-            pos = end
-        return out
-
-    def _check_ids(self, ids: np.ndarray, k: int) -> None:
-        # An id past the vocabulary would index outside the embedding (on CUDA, an opaque
-        # device-side assert): name the shard instead. Costs one max over tokens already read.
-        if ids.size and (top := int(ids.max())) >= self.vocab_size:
-            raise ShardError(
-                f"shard {self.paths[k]} holds token id {top} >= vocab size {self.vocab_size} "
-                f"(corrupted); run `lmforge prepare --verify {self.paths[k].parent}` and re-run "
-                "`lmforge prepare` to rebuild the damaged shard")
 
 
 # Seeds the per-step source draws, apart from the permutations (which are seeded by (seed, epoch)).
@@ -175,8 +94,6 @@ class TrainLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         if isinstance(sources, TokenWindows):
-            from pipeline.rows import StreamRows
-
             sources = [Source("train", StreamRows(sources))]
         self.sources = {s.name: s for s in sources}
         self.phases = phases or [Phase(0.0, {s.name: 1.0 for s in sources})]

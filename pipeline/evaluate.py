@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from pipeline.data import IGNORE_INDEX, TokenWindows
+from model.model import IGNORE_INDEX
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.loss import EAGER_LOSS, HeadLoss
 from pipeline.parallelize import Precision
+from pipeline.windows import TokenWindows
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,12 @@ import torch
 from data_prep.errors import DataError
 from data_prep.shards import Manifest, load_manifest
 from pipeline.config import DataConfig, EvalConfig, SourceConfig, phase_start
-from pipeline.data import Phase, Source, TokenWindows
+from pipeline.data import Phase, Source
 from pipeline.data_config import named
 from pipeline.evaluate import eval_batches
 from pipeline.metrics import get_logger
 from pipeline.rows import build_rows
+from pipeline.windows import TokenWindows
 
 log = get_logger()
 

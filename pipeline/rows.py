@@ -19,16 +19,13 @@ number of tokens each really holds (the rest is padding, whose targets the loss 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from data_prep.errors import DataError
 from data_prep.shards import read_doc_index, write_doc_index
 from pipeline.metrics import get_logger
-
-if TYPE_CHECKING:  # pipeline.data builds these rows from its windows
-    from pipeline.data import TokenWindows
+from pipeline.windows import TokenWindows
 
 log = get_logger()
 

@@ -147,11 +147,30 @@ def check_against(state: dict, metadata: Metadata, where: Path) -> None:
         elif isinstance(ours, torch.Tensor) and tuple(entry.size) != tuple(ours.shape):
             shapes.append(f"{key}: {tuple(entry.size)} vs {tuple(ours.shape)}")
     if missing or shapes:
-        detail = "; ".join([*(f"shape {s}" for s in shapes[:2]), *(f"missing {k}" for k in missing[:2])])
-        raise CheckpointError(
-            f"weights in {where} do not fit the model described by its meta.json ({detail}); "
-            "the checkpoint is corrupt or was assembled from two runs"
-        )
+        raise misfit(where, "; ".join([*(f"shape {s}" for s in shapes[:2]),
+                                       *(f"missing {k}" for k in missing[:2])]))
+
+
+def misfit(where: Path, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"weights in {where} do not fit the model described by its meta.json ({detail}); "
+        "the checkpoint is corrupt or was assembled from two runs"
+    )
+
+
+def load_strict(model: torch.nn.Module, state: dict, tied: bool, where: Path) -> None:
+    """`state` into `model`, every weight present and of its shape (the tied LM head, absent
+    from exports, rebuilt from the embedding); else one CheckpointError."""
+    ours = model.state_dict()
+    if wrong := [f"{k}: {tuple(v.shape)} vs {tuple(ours[k].shape)}" for k, v in state.items()
+                 if k in ours and v.shape != ours[k].shape]:
+        raise misfit(where, "shape " + "; ".join(wrong[:2]))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise misfit(where, f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if tied:
+        model.lm_head.weight = model.tok_emb.weight
 
 
 def load_into(state: dict, checkpoint_dir: Path, no_dist: bool) -> None:

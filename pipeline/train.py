@@ -26,7 +26,6 @@ from pipeline.async_checkpoint import Checkpointer
 from pipeline.config import (
     ConfigError,
     DataConfig,
-    Derived,
     EvalConfig,
     JobConfig,
     SampleConfig,
@@ -37,7 +36,7 @@ from pipeline.config import (
     save_resolved,
 )
 from pipeline.data import TrainLoader
-from pipeline.distributed import DistInfo, all_reduce_max, all_reduce_sum
+from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.evaluate import evaluate
 from pipeline.hardware import dtype_name, peak_flops, to_device
 from pipeline.materialize import meta_gpt
@@ -82,13 +81,14 @@ class TrainData:
 
 
 def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, eval_cfg: EvalConfig, *,
-               vocab_size: int, grad_accum_steps: int, info: DistInfo) -> TrainData:
+               vocab_size: int, grad_accum_steps: int, info: DistInfo,
+               max_steps: Callable[[], int]) -> TrainData:
     tokenizer_dir = Path(data_cfg.first_path) / "tokenizer"  # every source's (checked)
     tokenizer = load_tokenizer_dir(tokenizer_dir)
     sources, phases = train_sources(data_cfg, vocab_size)
     loader = TrainLoader(sources, train_cfg.micro_batch_size, grad_accum_steps, info.rank,
                          info.world_size, train_cfg.seed, phases,
-                         max_steps=lambda: train_cfg.max_steps)  # a time budget may change it
+                         max_steps=max_steps)  # a time budget may change it
     val = val_sets(data_cfg, eval_cfg, vocab_size, info.rank, info.world_size)
     token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).long()
     return TrainData(tokenizer, tokenizer_dir, token_bytes, loader, val, is_mixture(data_cfg))
@@ -122,69 +122,6 @@ def due(step: int, every: int, last: bool) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Time budget (pipeline/budget.py)
-
-
-class RunLength:
-    """train.time_budget_s: times the first steps, then fixes the run's length once, in the
-    config the trainer holds and in the run's config.toml. Idle without a budget and after."""
-
-    def __init__(self, cfg: JobConfig, info: DistInfo, run_dir: Path):
-        self.cfg, self.info, self.run_dir = cfg, info, run_dir
-        self.clock = budget.TimeBudget(cfg.train.time_budget_s) if cfg.train.time_budget_s else None
-
-    def keep_fixed(self, saved: JobConfig) -> None:
-        """Resuming a run whose length is already fixed (budget measured, or none): keep that
-        length. The budget sizes a run once; measuring again would change its lr schedule."""
-        if self.clock is None or saved.train.time_budget_s:
-            return  # no budget, or a checkpoint from before the measurement: it happens again
-        budget.apply(self.cfg, budget.plan_of(saved))
-        self.clock = None
-        log.info("time budget: this run's length was fixed when it started: %d steps (not "
-                 "measured again)", self.cfg.train.max_steps)
-
-    def step_done(self, step: int, step_s: float,
-                  hook_costs: Callable[[], budget.HookCosts]) -> budget.BudgetPlan | None:
-        """After each step (`step_s`: its own duration); at the end of calibration, fixes the
-        length and returns its plan."""
-        tb = self.clock
-        if tb is None:
-            return None
-        tb.step_done(step_s)
-        if not tb.ready(step, self.cfg.optim.warmup_steps):
-            return None
-        costs = hook_costs()
-        # Every rank must choose the same length, and every hook lasts as long as its slowest
-        # rank (rank 0 alone writes the samples): plan from the ranks' largest measurements.
-        measured = torch.tensor([tb.step_seconds(), costs.eval_s, costs.sample_s, tb.elapsed()],
-                                dtype=torch.float64, device=self.info.device)
-        step_s, eval_s, sample_s, elapsed = all_reduce_max(measured, self.info).tolist()
-        costs = replace(costs, eval_s=eval_s, sample_s=sample_s)
-        cap = self.cfg.train.max_steps
-        p = budget.plan(self.cfg, elapsed, step, step_s, costs, tb.budget_s)
-        budget.apply(self.cfg, p)
-        self.clock = None
-        if self.info.is_main:
-            save_resolved(self.cfg, self.run_dir)
-        self._report(p, costs, step_s, step, cap, tb.budget_s)
-        return p
-
-    def _report(self, p: budget.BudgetPlan, costs: budget.HookCosts, step_s: float, step: int,
-                cap: int, budget_s: float) -> None:
-        tok_s = self.cfg.train.global_batch_tokens / step_s
-        log.info("time budget %g s: %.2f s/step (%s tokens/s, steps timed to step %d), eval %.1f s, "
-                 "samples %.1f s, checkpoint ~%.1f s -> max_steps %d (at most %d), ~%.0f s in all; "
-                 "eval every %d, samples every %d, checkpoints every %d (in %s)",
-                 budget_s, step_s, f"{tok_s:,.0f}", step, costs.eval_s, costs.sample_s,
-                 costs.checkpoint_s, p.max_steps, cap, p.estimated_s, p.eval_every,
-                 p.sample_every, p.checkpoint_every, RunDir(self.run_dir).config)
-        if not p.fits:
-            log.warning("time budget %g s: even %d steps (warmup + 1) need ~%.0f s; raise "
-                        "train.time_budget_s or lower optim.warmup_steps", budget_s,
-                        p.max_steps, p.estimated_s)
-
-
-# --------------------------------------------------------------------------------------------
 # The trainer
 
 
@@ -192,15 +129,17 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: DistInfo):
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.log.out_dir)
-        self.length = RunLength(cfg, info, self.run_dir)  # first: the budget covers the set-up
+        self.length = budget.RunLength(cfg, info, self.run_dir)  # first: the budget covers the set-up
         self.model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.first_path).vocab_size)
-        grad_accum_steps = self.derived.grad_accum_steps  # a batch that does not divide: error
+        self.derived = derive(cfg, info.world_size)  # a batch that does not divide: error
+        grad_accum_steps = self.derived.grad_accum_steps
         resume_from = ckpt.find_resume(cfg.checkpoint.resume, self.run_dir)
         resume_meta = None if resume_from is None else ckpt.read_resumable(resume_from,
                                                                            self.model_cfg)
 
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
-                               grad_accum_steps=grad_accum_steps, info=info)
+                               grad_accum_steps=grad_accum_steps, info=info,
+                               max_steps=lambda: self.cfg.train.max_steps)
         self.sample_prompts = sample_prompt_ids(cfg.sample, self.data.tokenizer,
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
@@ -223,10 +162,9 @@ class Trainer:
         self.stop_requested = False
         self.sampler: GPT | None = None
 
-    @property
-    def derived(self) -> Derived:
-        """Recomputed on use: the time budget may change the run's length in cfg."""
-        return derive(self.cfg, self.info.world_size)
+    def _rebind(self, cfg: JobConfig) -> None:
+        """The one change of config a run makes: the length its time budget fixed."""
+        self.cfg, self.derived = cfg, derive(cfg, self.info.world_size)
 
     def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:
         ckpt.load_training(where, self.parallel.module, self.optimizer, self.info)
@@ -234,6 +172,7 @@ class Trainer:
         self.step, self.bad_steps = meta.step, meta.bad_steps
         self.lineage, self.parent_step = meta.lineage, meta.step
         self.length.keep_fixed(meta.config)
+        self._rebind(self.length.cfg)
         log.info("resumed from %s at step %d (written by %d ranks)", where, self.step,
                  meta.world_size)
 
@@ -374,15 +313,14 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------
 
     def fit(self) -> int:
-        cfg = self.cfg
         self._log_start()
-        progress = Progress(cfg.train.max_steps, cfg.log.log_every, self.info.is_main,
+        progress = Progress(self.cfg.train.max_steps, self.cfg.log.log_every, self.info.is_main,
                             start_step=self.step)
         final = None
-        while self.step < cfg.train.max_steps:
+        while self.step < self.cfg.train.max_steps:  # self.cfg: a time budget may rebind it
             self.checkpointer.poll()  # completes a background save whose write is done
             record, stop = self._step(progress)
-            finished = self.step == cfg.train.max_steps
+            finished = self.step == self.cfg.train.max_steps
             # Weights first at the last step and at a stop (preemption: the scheduler's SIGKILL
             # follows its SIGTERM within seconds): checkpoint and final export come before eval
             # and samples, which only read the weights and whose failure is only logged. Other
@@ -422,6 +360,7 @@ class Trainer:
         self.step += 1
         self.recompiles.check("train", self.step)
         if (p := self.length.step_done(self.step, dt, self._hook_costs)) is not None:
+            self._rebind(self.length.cfg)
             progress.set_length(p.max_steps, p.log_every)
         tok_s = step_tokens / dt
         peak = self.peak * self.info.world_size if self.peak else None
