@@ -111,10 +111,11 @@ def write_data(a: argparse.Namespace, root: Path) -> Path:
 def planned_mb(a: argparse.Namespace, world: int) -> dict[str, float]:
     from model import ModelConfig
     from pipeline.config import load_config
-    from pipeline.plan import meta_model, strategies
+    from pipeline.materialize import meta_gpt
+    from pipeline.plan import strategies
 
     cfg = load_config(None, [f"--{kv}" for kv in job_args(a, Path("."), Path("."), world)])
-    model = meta_model(ModelConfig(**{**cfg.model.to_dict(), "vocab_size": a.vocab}))
+    model = meta_gpt(ModelConfig(**{**cfg.model.to_dict(), "vocab_size": a.vocab}))
     ddp, fsdp = strategies(cfg, model, world, bf16=False)
     s = fsdp if world > 1 else ddp
     return {"states": s.state.total / MB, "gathered": s.compute_copy / MB,

@@ -35,7 +35,8 @@ from model import SamplingParams
 from pipeline.checkpoint import CheckpointError, load_for_inference
 from pipeline.config import ConfigError, JobConfig, load_config
 from pipeline.distributed import init_distributed
-from pipeline.hardware import dtype_name, resolve_dtype
+from pipeline.hardware import dtype_name
+from pipeline.parallelize import Precision
 from pipeline.run_dir import RunDir
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
@@ -120,17 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingParams(seed=0).fit(len(ids), ckpt.config.max_seq_len)
     sys.stdout.write(PROMPT)
     run_cfg = load_config(str(RunDir(run).config))  # as resolved: the length the budget chose
-    dtype = resolve_dtype(run_cfg.train.dtype, info.device)  # the rule training applied
-    write_sample(ckpt, enc, ids, sampling, sys.stdout, dtype)
+    # The rules training and sampling apply (the same train.dtype, each for its workload).
+    trained_in = Precision.resolve(run_cfg.train.dtype, info.device).dtype
+    write_sample(ckpt, enc, ids, sampling, sys.stdout,
+                 Precision.resolve(run_cfg.train.dtype, info.device, "sample"))
 
     print(f"""
 === done in {time.perf_counter() - t0:.0f} s
 shards      {data}  (manifest.json, tokenizer/)
 run         {run}  (config.toml, train.log)
 checkpoint  {ckpt.path}  (step {ckpt.step})
-{training_summary(run_cfg, run, ckpt.step, dtype_name(dtype))}
-metrics     {run / 'metrics.jsonl'}
-loss plot   {run / 'loss.png'}
+{training_summary(run_cfg, run, ckpt.step, dtype_name(trained_in))}
+metrics     {RunDir(run).metrics}
+loss plot   {RunDir(run).loss_plot}
 val perplexity {result.perplexity:.2f} (loss {result.loss:.4f}, {result.bits_per_byte:.3f} bits/byte, {result.tokens:,} tokens)
 
 next:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TextIO
 
 import tiktoken
-import torch
 
 from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir
 from launch.cli import ArgumentParser
@@ -29,7 +28,7 @@ from model.generate import MIN_TEMPERATURE
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.distributed import pick_device
-from pipeline.hardware import dtype_name, resolve_dtype
+from pipeline.hardware import dtype_name
 from pipeline.parallelize import Precision
 
 
@@ -103,14 +102,12 @@ def decode_stream(enc: tiktoken.Encoding, tokens: Iterable[int]) -> Iterator[str
 
 
 def write_sample(ckpt: LoadedCheckpoint, enc: tiktoken.Encoding, prompt_ids: list[int],
-                 sampling: SamplingParams, out: TextIO,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 sampling: SamplingParams, out: TextIO, precision: Precision) -> None:
     """Write the continuation to `out` as it is generated, up to the end-of-text token."""
-    device = next(ckpt.model.parameters()).device
     steps = stream(ckpt.model, [prompt_ids], sampling, stop_token=eot_id(enc))
     tokens = (token for (token,) in steps if token is not None)
     # The generator runs the model lazily, so autocast must cover the whole iteration.
-    with Precision(dtype, device).autocast(ckpt.model):
+    with precision.autocast(ckpt.model):
         for text in decode_stream(enc, tokens):
             out.write(text)
             out.flush()
@@ -135,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
     ids = encode_prompt(enc, prompt)
     sampling = fit_to_context(sampling, len(ids), ckpt.config.max_seq_len)
-    dtype = resolve_dtype(args.dtype, device, "sample")  # after every check: costs no probe
-    print(f"note: computing in {dtype_name(dtype)} on {device} (--dtype {args.dtype})",
+    precision = Precision.resolve(args.dtype, device, "sample")  # after every check: no probe
+    print(f"note: computing in {dtype_name(precision.dtype)} on {device} (--dtype {args.dtype})",
           file=sys.stderr)
     seed = random.randrange(2**31) if args.seed is None else args.seed
     if args.seed is None:
@@ -145,5 +142,5 @@ def main(argv: list[str] | None = None) -> int:
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples} ---", flush=True)
         sys.stdout.write(prompt)
-        write_sample(ckpt, enc, ids, replace(sampling, seed=seed + i), sys.stdout, dtype)
+        write_sample(ckpt, enc, ids, replace(sampling, seed=seed + i), sys.stdout, precision)
     return 0

@@ -26,9 +26,9 @@ from data_prep.shards import load_manifest
 from launch.cli import ArgumentParser
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
 from pipeline.distributed import DistInfo, distributed, stop_with_launcher
+from pipeline.materialize import meta_gpt
 from pipeline.metrics import get_logger, setup_logging
 from pipeline.mixture import describe_mixture, open_sources
-from pipeline.plan import meta_model
 from pipeline.plan import report as plan_report
 from pipeline.runlock import check_unlocked, run_lock
 from pipeline.train import Trainer, TrainingStopped, model_config_for
@@ -75,7 +75,7 @@ def count_params(cfg: JobConfig) -> int:
         model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.first_path).vocab_size)
     except DataError:
         model_cfg = replace(cfg.model, vocab_size=cfg.model.vocab_size or 1)
-    return meta_model(model_cfg).num_params(exclude_embeddings=model_cfg.vocab_size == 1)
+    return meta_gpt(model_cfg).num_params(exclude_embeddings=model_cfg.vocab_size == 1)
 
 
 def dry_run(cfg: JobConfig, args: argparse.Namespace) -> int:

@@ -202,14 +202,22 @@ def cuda_bf16(device: torch.device) -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+def gpu_dtype(requested: str, has_bf16: bool = True) -> torch.dtype:
+    """The rule on a CUDA GPU known only by whether it has bf16 tensor cores (also the
+    planner's, for the GPUs of its table): auto = bf16 exactly there."""
+    if requested == "auto":
+        return torch.bfloat16 if has_bf16 else torch.float32
+    return DTYPES[requested]
+
+
 def auto_dtype(device: torch.device, workload: str = "train") -> tuple[torch.dtype, str]:
     """What `auto` picks on `device` for `workload` (train, eval or sample), and why (no
     logging, no collectives)."""
     device = torch.device(device)
     if device.type == "cuda":
-        if cuda_bf16(device):
-            return torch.bfloat16, f"{torch.cuda.get_device_name(device)} has bf16 tensor cores"
-        return torch.float32, f"{torch.cuda.get_device_name(device)} has no native bf16"
+        has = cuda_bf16(device)
+        name = torch.cuda.get_device_name(device)
+        return gpu_dtype("auto", has), f"{name} has {'bf16 tensor cores' if has else 'no native bf16'}"
     if device.type == "cpu":
         probe = cpu_bf16(decode=workload == "sample")
         if probe.native:

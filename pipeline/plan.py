@@ -22,12 +22,15 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+import torch
+
 from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, derive
-from pipeline.hardware import GPU_PEAKS  # the datasheet table, kept in one place
+from pipeline.hardware import GPU_PEAKS, gpu_dtype  # the datasheet table, kept in one place
 from pipeline.loss import chunk_tokens
+from pipeline.materialize import meta_gpt
 from pipeline.optim import is_muon_matrix
 
 FP32, BF16 = 4, 2
@@ -152,14 +155,6 @@ def _blocks_bytes(model: GPT) -> tuple[int, int]:
     return block, model.num_params() - in_blocks
 
 
-def meta_model(model_cfg: ModelConfig) -> GPT:
-    """The model's shapes without allocating it."""
-    import torch
-
-    with torch.device("meta"):
-        return GPT(model_cfg)
-
-
 def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strategy]:
     model_cfg = model.cfg
     shapes = [tuple(p.shape) for p in model.parameters()]
@@ -221,7 +216,7 @@ def report(cfg: JobConfig, nproc: int, nnodes: int, gpu_name: str, mfu: float) -
         raise ConfigError(f"--gpu: {e}") from None
     model_cfg, vocab_note = planned_model(cfg)
     world = nproc * nnodes
-    bf16 = cfg.train.dtype != "fp32"  # auto is bf16 on every GPU of the table
+    bf16 = gpu_dtype(cfg.train.dtype) == torch.bfloat16  # every GPU of the table has bf16
     derived = derive(cfg, world)
     with_ac = cfg.train.activation_checkpointing
     lines = [
@@ -229,10 +224,10 @@ def report(cfg: JobConfig, nproc: int, nnodes: int, gpu_name: str, mfu: float) -
         f"({gpu.memory / GiB:.0f} GiB, {gpu.bf16_peak / 1e12:.0f} TFLOP/s dense bf16 each), "
         f"{'bf16' if bf16 else 'fp32'} compute, micro-batch {cfg.train.micro_batch_size} x "
         f"{cfg.data.seq_len} tokens, {derived.grad_accum_steps} accumulation step(s); "
-        f"{meta_model(model_cfg).num_params() / 1e6:.1f}M params, {vocab_note}",
+        f"{meta_gpt(model_cfg).num_params() / 1e6:.1f}M params, {vocab_note}",
         f"{'per GPU':<34}{'DDP':>14}{'FSDP2':>14}",
     ]
-    model = meta_model(model_cfg)
+    model = meta_gpt(model_cfg)
     ddp, fsdp = strategies(cfg, model, world, bf16)
     muon = cfg.optim.name == "muon"
     optimizer_label = "Muon+AdamW state (1|2 moments)" if muon else "AdamW state (2 fp32 moments)"

@@ -17,7 +17,8 @@ import torch
 
 from model import GPT, ModelConfig
 from pipeline.loss import EAGER_LOSS
-from pipeline.plan import activation_bytes, meta_model, state_bytes
+from pipeline.materialize import meta_gpt
+from pipeline.plan import activation_bytes, state_bytes
 from tests.launch_utils import ROOT, run
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
@@ -39,7 +40,7 @@ def real_state_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def planned(world: int, sharded: bool, rank: int) -> dict[str, int]:
-    shapes = [tuple(p.shape) for p in meta_model(SMALL).parameters()]
+    shapes = [tuple(p.shape) for p in meta_gpt(SMALL).parameters()]
     s = state_bytes(shapes, world, sharded, rank)
     return {"params": s.params, "grads": s.grads, "optimizer": s.optimizer}
 
@@ -125,7 +126,7 @@ def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
     from pipeline.plan import strategies
 
     cfg = JobConfig(optim=OptimConfig(name="muon"))
-    model = meta_model(SMALL)
+    model = meta_gpt(SMALL)
     _, muon = build_optimizer(model, cfg.optim, torch.device("cpu"))
     matrices = sum(p.numel() for g in muon.param_groups for p in g["params"])
     ddp, fsdp = strategies(cfg, model, 2, bf16=False)
