@@ -1,7 +1,7 @@
 """data.align = doc against stream: steps to a target val loss on the built-in corpus.
 
-    python bench/align_bench.py                    # 3 seeds x (doc, stream), a few minutes on 2 cores
-    python bench/align_bench.py --seeds 5 --steps 100 --batch-tokens 4096
+    python -m bench.align_bench                    # 3 seeds x (doc, stream), a few minutes on 2 cores
+    python -m bench.align_bench --seeds 5 --steps 100 --batch-tokens 4096
 
 The built-in corpus (builtin:pystdlib, its first --max-docs documents, 5% of them val, BPE 1024, prepared once
 into --data), a small model (configs/tiny.toml's shape at --layers / --d-model), rows of the
@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import ROOT
+
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-from bench.speedrun import reach, read_records, spread  # noqa: E402
+from bench.speedrun import reach, read_records, spread
 
 
 def prepare_data(data: Path, max_docs: int) -> Path:

@@ -1,7 +1,7 @@
 """What a checkpoint costs the training loop, synchronous vs checkpoint.async_save, on CPU.
 
-    python bench/checkpoint_stall.py                          # 51M params, 3 interleaved rounds
-    python bench/checkpoint_stall.py --d-model 128 --n-layer 2 --rounds 1   # a quick look
+    python -m bench.checkpoint_stall                          # 51M params, 3 interleaved rounds
+    python -m bench.checkpoint_stall --d-model 128 --n-layer 2 --rounds 1   # a quick look
 
 One process runs the trainer's own step (pipeline.train.Trainer.train_step: fp32, AdamW) and its
 checkpointer (pipeline.async_checkpoint.Checkpointer), a synchronous and a background one in the
@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.fsdp_memory import write_data  # noqa: E402
+from bench.common import header
+from bench.fsdp_memory import write_data
 
 
 def timed(fn) -> float:
@@ -74,7 +71,6 @@ def main() -> None:
     from pipeline.async_checkpoint import Checkpointer
     from pipeline.config import load_config
     from pipeline.distributed import DistInfo
-    from pipeline.hardware import cpu_capability, cpu_model
     from pipeline.train import Trainer
 
     info = DistInfo(0, 0, 1, __import__("torch").device("cpu"))
@@ -94,8 +90,7 @@ def main() -> None:
         trainer.train_step()  # warm-up; the optimizer state exists from here on
         rounds = [one_round(trainer, sync, background, a.plain_steps) for _ in range(a.rounds)]
         n_params = trainer.model.num_params()
-    lines = [f"# bench/checkpoint_stall.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores), command: python {' '.join(sys.argv)}",
+    lines = [header(),
              f"# {n_params / 1e6:.1f}M params (d{a.d_model} L{a.n_layer} V{a.vocab}), fp32, AdamW, "
              f"1 process, {a.micro_batch} x {a.seq_len} tokens/step; checkpoint to a temp dir",
              f"{'round':>5}{'plain ms':>10}{'sync stall ms':>15}{'async call ms':>15}"

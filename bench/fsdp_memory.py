@@ -1,8 +1,8 @@
 """Peak memory per rank under FSDP2 on CPU (gloo), measured next to the --dry-run planner's figure.
 
-    python bench/fsdp_memory.py                      # 1 process, FSDP2 on 2 and 4 ranks
-    python bench/fsdp_memory.py --ranks 2 --old-init # also the full model built before sharding
-    python bench/fsdp_memory.py --steps 2 --d-model 128 --n-layer 2   # a quick look
+    python -m bench.fsdp_memory                      # 1 process, FSDP2 on 2 and 4 ranks
+    python -m bench.fsdp_memory --ranks 2 --old-init # also the full model built before sharding
+    python -m bench.fsdp_memory --steps 2 --d-model 128 --n-layer 2   # a quick look
 
 Each configuration is a fresh torchrun (or one plain process) running the trainer's own build
 chain and training step (pipeline.train.Trainer.train_step, AdamW, fp32) on random tokens
@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import ROOT, header
+
 MB = 2**20
 
 
@@ -126,7 +126,7 @@ def planned_mb(a: argparse.Namespace, world: int) -> dict[str, float]:
 def run_config(a: argparse.Namespace, data: Path, world: int, old_init: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         job = job_args(a, data, Path(out), world)
-        me = [str(Path(__file__).resolve()), "--worker", "--report", out, "--device", a.device,
+        me = ["-m", "bench.fsdp_memory", "--worker", "--report", out, "--device", a.device,
               *(["--old-init"] if old_init else []),
               "--steps", str(a.steps), "--job", *job]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -163,14 +163,10 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    import torch
 
-    from pipeline.hardware import cpu_capability, cpu_model
 
-    kind = (f"GPU: {torch.cuda.get_device_name()}, memory: max_memory_allocated"
-            if a.device == "cuda" else f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores), memory: RSS")
-    lines = [f"# bench/fsdp_memory.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"{kind}, command: python {' '.join(sys.argv)}",
+    memory = "max_memory_allocated" if a.device == "cuda" else "RSS"
+    lines = [f"{header(a.device)}, memory: {memory}",
              f"# model d{a.d_model} L{a.n_layer} V{a.vocab}, fp32, AdamW, micro-batch "
              f"{a.micro_batch} x {a.seq_len}, {a.accum} accumulation step(s) per rank, "
              f"{a.steps} steps; MB = MiB; run = peak - start-up",

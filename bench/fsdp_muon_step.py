@@ -1,7 +1,7 @@
 """Step time of FSDP2 + Muon against FSDP2 + AdamW on CPU ranks (gloo), rounds interleaved.
 
-    python bench/fsdp_muon_step.py                       # 2 ranks, d512 L4, 3 rounds
-    python bench/fsdp_muon_step.py --ranks 2 --rounds 1 --steps 6   # a quick look
+    python -m bench.fsdp_muon_step                       # 2 ranks, d512 L4, 3 rounds
+    python -m bench.fsdp_muon_step --ranks 2 --rounds 1 --steps 6   # a quick look
 
 Each run is the real trainer under torchrun (fp32, eager); a run's step time is the median over
 its steps after the first of global_batch_tokens / tokens_per_s (metrics.jsonl). Muon under
@@ -18,13 +18,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.fsdp_memory import write_data  # noqa: E402
+from bench.common import ROOT, header
+from bench.fsdp_memory import write_data
 
 
 def step_seconds(a: argparse.Namespace, data: Path, optimizer: str) -> float:
@@ -67,7 +64,6 @@ def main() -> None:
     p.add_argument("--data", type=Path, help="a prepared dataset of --vocab ids")
     p.add_argument("--out", type=Path, help="also write the table to this file")
     a = p.parse_args()
-    from pipeline.hardware import cpu_capability, cpu_model
 
     times: dict[str, list[float]] = {"adamw": [], "muon": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,8 +72,7 @@ def main() -> None:
             for opt in times:
                 times[opt].append(step_seconds(a, data, opt))
     ratios = [m / w for m, w in zip(times["muon"], times["adamw"], strict=True)]
-    lines = [f"# bench/fsdp_muon_step.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores), command: python {' '.join(sys.argv)}",
+    lines = [header(),
              f"# {a.parallel} x{a.ranks} (gloo), d{a.d_model} L{a.n_layer} V{a.vocab}, fp32, "
              f"{a.micro_batch} x {a.seq_len} tokens per rank per step, {a.steps} steps per run",
              *(f"round {i + 1}: AdamW {w * 1e3:.0f} ms, Muon {m * 1e3:.0f} ms ({m / w:.2f}x)"

@@ -1,7 +1,7 @@
 """The GPU path in one call (started by bench/gpu_check.sh, which first prints `lmforge env`).
 
-    python bench/gpu_check.py              # on a CUDA machine: 1-GPU step, then >= 2 GPU checks
-    python bench/gpu_check.py --cpu-smoke  # the same code path, tiny shapes, CPU/gloo (a test)
+    python -m bench.gpu_check              # on a CUDA machine: 1-GPU step, then >= 2 GPU checks
+    python -m bench.gpu_check --cpu-smoke  # the same code path, tiny shapes, CPU/gloo (a test)
 
 1. step: a GPT-2-124M-shaped model (configs/gpt2_124m.toml, 50304-id vocab, synthetic tokens)
    on one GPU in the dtype `auto` picks (bf16 on any bf16 GPU) with torch.compile; prints the
@@ -26,17 +26,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from model import GPT  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.distributed import DistInfo  # noqa: E402
-from pipeline.hardware import configure_cuda, dtype_name, matmul_peak, resolve_dtype  # noqa: E402
-from pipeline.optim import build_optimizer  # noqa: E402
-from pipeline.parallelize import Precision, parallelize  # noqa: E402
-from pipeline.run_dir import RunDir  # noqa: E402
-from tests import launch_utils as lu  # noqa: E402  (the tests' launch helpers: one launch code)
+from bench import runs as lu
+from bench.common import GPT2_VOCAB, ROOT
+from model import GPT
+from pipeline.config import load_config
+from pipeline.distributed import DistInfo
+from pipeline.hardware import configure_cuda, dtype_name, matmul_peak, resolve_dtype
+from pipeline.optim import build_optimizer
+from pipeline.parallelize import Precision, parallelize
+from pipeline.run_dir import RunDir
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
 # themselves) agree to ~1e-3 early on and drift slowly; a real bug is off by far more.
@@ -44,7 +42,6 @@ PARITY_TOL = 2e-2
 # Resume replays the same data and RNG; only non-deterministic GPU kernels (atomics in
 # attention backward) separate it from the uninterrupted run.
 RESUME_TOL = 1e-3
-GPT2_VOCAB = ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
 
 
 def sdpa_kernels(prof) -> str:

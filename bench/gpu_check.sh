@@ -33,7 +33,7 @@ fi
 echo "=== lmforge env"
 timeout 180 "$PY" -m launch.cli env
 echo "=== gpu_check"
-timeout 540 "$PY" bench/gpu_check.py "$@"
+timeout 540 "$PY" -m bench.gpu_check "$@"
 # Issue 20: FSDP2's peak memory per rank (max_memory_allocated on CUDA) next to the planner's.
 echo "=== fsdp_memory"
 if [[ " $* " == *" --cpu-smoke "* ]]; then
@@ -43,7 +43,7 @@ else
     mem=(--device cuda --ranks 1)
     [ "$gpus" -ge 2 ] && mem+=(2)
 fi
-timeout 600 "$PY" bench/fsdp_memory.py "${mem[@]}"
+timeout 600 "$PY" -m bench.fsdp_memory "${mem[@]}"
 # Shape A of issue 11 on this device: tok/s, MFU and peak memory (max_memory_allocated on CUDA)
 # of lmforge eager/compiled against the GPT-2 reference and HF Llama, in auto's dtype (bf16).
 echo "=== train_bench (shape A)"
@@ -52,4 +52,4 @@ if [[ " $* " == *" --cpu-smoke "* ]]; then
 else
     bench=(--shapes A --rounds 1 --no-memory --device cuda)
 fi
-timeout 360 "$PY" bench/train_bench.py "${bench[@]}"
+timeout 360 "$PY" -m bench.train_bench "${bench[@]}"

@@ -1,7 +1,7 @@
 """lmforge's model vs transformers.LlamaForCausalLM of identical shape and weights, on this CPU.
 
-    python bench/model_bench.py            # the configs/tiny.toml model shape
-    python bench/model_bench.py --quick    # fewer rounds and steps
+    python -m bench.model_bench            # the configs/tiny.toml model shape
+    python -m bench.model_bench --quick    # fewer rounds and steps
 
 Prints, as ratios measured in this same run (only ratios mean anything on a shared machine):
   train   tokens/s of a training step: forward + mean cross-entropy + backward + AdamW step
@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model import GPT, ModelConfig, SamplingParams, generate  # noqa: E402
-from model.hf import export_hf  # noqa: E402
+from model import GPT, ModelConfig, SamplingParams, generate
+from model.hf import export_hf
 
 SHAPE = dict(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, d_model=256, max_seq_len=1024)
 TRAIN_BATCH, TRAIN_SEQ = 8, 256

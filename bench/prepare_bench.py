@@ -11,7 +11,7 @@
    training seconds and whether tiktoken, loaded from the exported ranks, reproduces each
    trainer's own encoding of held-out documents exactly.
 
-usage: python bench/prepare_bench.py [--tokenizer PATH] [--workers N] [--reps R] [--bpe]
+usage: python -m bench.prepare_bench [--tokenizer PATH] [--workers N] [--reps R] [--bpe]
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import GPT2_VOCAB, ROOT
 from data_prep.sources import Source, pystdlib_files
 from data_prep.tokenizer import CL100K_PATTERN, load_tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
-GPT2 = ROOT.parent / "shared/tokenizers/gpt2.tiktoken"
 
 # Runs prepare in a child and prints its own peak RSS (ru_maxrss is KiB on Linux).
 CHILD = ("import resource, sys; from launch.prepare import main; rc = main(sys.argv[1:]); "
@@ -151,7 +149,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokenizer", default=str(GPT2) if GPT2.is_file() else "gpt2")
+    p.add_argument("--tokenizer", default=str(GPT2_VOCAB) if GPT2_VOCAB.is_file() else "gpt2")
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--rss-shard-tokens", type=int, default=1_000_000)

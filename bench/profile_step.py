@@ -3,21 +3,18 @@ of bench/train_bench.py (same model, batch and step), grouped into what compile 
 change, plus the page faults a step takes (a CPU allocator returning big tensors to the OS costs
 a fault per 4 KiB page the next time they are allocated).
 
-    python bench/profile_step.py lmforge --shape A            # eager
-    python bench/profile_step.py hf --shape A --compile
+    python -m bench.profile_step lmforge --shape A            # eager
+    python -m bench.profile_step hf --shape A --compile
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_bench as tb  # noqa: E402
-from profile_ops import category, profile_steps  # noqa: E402
+from bench import train_bench as tb
+from bench.profile_ops import category, profile_steps
 
 
 def main() -> None:

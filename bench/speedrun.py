@@ -1,8 +1,8 @@
 """Speedrun: steps, tokens and wall-clock for Muon to reach AdamW's final validation loss.
 
-    python bench/speedrun.py                       # 3 seeds x (adamw, muon), ~32 min on 2 cores
-    python bench/speedrun.py --seeds 5 --steps 200 --muon "--optim.muon_lr 0.03"
-    python bench/speedrun.py --report-only         # the table again, from the runs in --out
+    python -m bench.speedrun                       # 3 seeds x (adamw, muon), ~32 min on 2 cores
+    python -m bench.speedrun --seeds 5 --steps 200 --muon "--optim.muon_lr 0.03"
+    python -m bench.speedrun --report-only         # the table again, from the runs in --out
 
 The demo's data (builtin:pystdlib, BPE 4096, prepared once into --data) and model
 (configs/tiny.toml), in fp32, trained by the pipeline itself (pipeline.train.Trainer, one process).
@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import ROOT
+
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 

@@ -1,6 +1,6 @@
 """Training loader start-up against the number of shards: header reads, not bytes hashed.
 
-    python bench/startup_bench.py [--shards 10 1000] [--shard-tokens 131072 13107200] [--rounds 3]
+    python -m bench.startup_bench [--shards 10 1000] [--shard-tokens 131072 13107200] [--rounds 3]
 
 Two axes: the bytes of 10 shards grown 100x, and the number of shards grown 100x at a fixed
 shard size. For each dataset it times what a rank does before its
@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from data_prep import shards as S  # noqa: E402
-from pipeline.data import TokenWindows, TrainLoader  # noqa: E402
+from data_prep import shards as S
+from pipeline.data import TokenWindows, TrainLoader
 
 VOCAB, SEQ_LEN, MICRO, ACCUM, WORLD, STEPS = 50257, 1024, 8, 4, 8, 4
 

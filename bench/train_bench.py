@@ -2,11 +2,11 @@
 transformers' LlamaForCausalLM, at two shapes (a GPT-2-size vocabulary, where the head
 dominates, and a small one), in the dtype train.dtype=auto picks on the device.
 
-    python bench/train_bench.py               # 2 rounds, both shapes, memory (~25 min, 2 cores)
-    python bench/train_bench.py --quick       # shape B only, 1 round, few steps
-    python bench/train_bench.py --shapes B --rounds 4 --no-memory    # one shape, more rounds
-    python bench/train_bench.py --device cuda --shapes A --rounds 1 --no-memory   # gpu_check.sh
-    python bench/train_bench.py --smoke       # tiny shapes, eager only: the code path (a test)
+    python -m bench.train_bench               # 2 rounds, both shapes, memory (~25 min, 2 cores)
+    python -m bench.train_bench --quick       # shape B only, 1 round, few steps
+    python -m bench.train_bench --shapes B --rounds 4 --no-memory    # one shape, more rounds
+    python -m bench.train_bench --device cuda --shapes A --rounds 1 --no-memory   # gpu_check.sh
+    python -m bench.train_bench --smoke       # tiny shapes, eager only: the code path (a test)
 
 Every configuration runs in a fresh process (its peak memory is its own; its compile warm from
 inductor's on-disk cache after the first time: a cold compile is measured apart, once per shape),
@@ -42,11 +42,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import ROOT, machine
 
 
 @dataclass(frozen=True)
@@ -214,7 +211,7 @@ def memory_kind(device: str) -> str:
 
 
 def worker(r: Run) -> dict:
-    from profile_ops import matmul_ms
+    from bench.profile_ops import matmul_ms
 
     one_step = training_step(r)
     base_mb = memory_mb(r.device, peak=False)
@@ -237,8 +234,9 @@ def worker(r: Run) -> dict:
 
 
 def measure(r: Run, env=None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", json.dumps(asdict(r))]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    cmd = [sys.executable, "-m", "bench.train_bench", "--worker", json.dumps(asdict(r))]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env,
+                         cwd=ROOT).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -322,16 +320,14 @@ def describe(device, dtype_arg: str):
     from pipeline.hardware import (
         DTYPES,
         auto_dtype,
-        cpu_capability,
-        cpu_model,
         dtype_name,
         matmul_peak,
     )
 
     dtype, why = auto_dtype(device) if dtype_arg == "auto" else (DTYPES[dtype_arg], "as requested")
     peak = matmul_peak(device, dtype)
-    where = (f"GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else
-             f"CPU: {cpu_model()}, {cpu_capability()}, {torch.get_num_threads()} threads")
+    where = machine(device.type) + (f", {torch.get_num_threads()} threads"
+                                     if device.type == "cpu" else "")
     peak_s = f"{peak / 1e9:,.0f} GFLOP/s" if peak else "unknown"
     return dtype, peak, (f"{where}; dtype {dtype_name(dtype)} ({dtype_arg}: {why}); "
                          f"{dtype_name(dtype)} matmul peak {peak_s}")

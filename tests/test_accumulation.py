@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import TINY_ARGS, metrics, train
+from bench.runs import TINY_ARGS, metrics, train
 
 pytestmark = pytest.mark.dist
 

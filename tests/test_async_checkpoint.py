@@ -10,8 +10,7 @@ import signal
 
 import pytest
 
-from pipeline import checkpoint as ckpt
-from tests.launch_utils import (
+from bench.runs import (
     TINY_ARGS,
     kill_group,
     losses,
@@ -21,6 +20,7 @@ from tests.launch_utils import (
     train_cmd,
     wait_for_step,
 )
+from pipeline import checkpoint as ckpt
 
 pytestmark = pytest.mark.dist
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.runs import run
 from pipeline import budget
 from pipeline import checkpoint as ckpt
 from pipeline.train import Trainer
-from tests.launch_utils import run
 from tests.test_time_budget import CPU, cfg_for
 
 

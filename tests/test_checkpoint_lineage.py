@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, losses, metrics
 from data_prep import shards as S
 from pipeline import checkpoint as ckpt
 from pipeline.config import JobConfig, load_config
@@ -22,7 +23,6 @@ from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo
 from pipeline.run_dir import RunDir
 from pipeline.train import Trainer
-from tests.launch_utils import TINY_ARGS, losses, metrics
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

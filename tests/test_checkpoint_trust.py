@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from bench.runs import ROOT, TINY_ARGS, env
 from launch.cli import main as lmforge
 from pipeline.distributed import DistInfo
 from pipeline.train import Trainer
-from tests.launch_utils import ROOT, TINY_ARGS, env
 from tests.test_checkpoint_lineage import cfg_for
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -15,8 +15,7 @@ import sys
 
 import pytest
 
-from pipeline import checkpoint as ckpt
-from tests.launch_utils import (
+from bench.runs import (
     TINY_ARGS,
     children,
     free_port,
@@ -28,6 +27,7 @@ from tests.launch_utils import (
     train_cmd,
     wait_for_step,
 )
+from pipeline import checkpoint as ckpt
 
 pytestmark = pytest.mark.dist
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.runs import ROOT, TINY_ARGS, env
 from data_prep.shards import (
     FORMAT_VERSION,
     Manifest,
@@ -30,7 +31,6 @@ from data_prep.shards import (
 from model.model import IGNORE_INDEX
 from pipeline.data import Source, TokenWindows, TrainLoader
 from pipeline.rows import DocRows
-from tests.launch_utils import ROOT, TINY_ARGS, env
 
 EOT, VOCAB, SEQ = 0, 1000, 16
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch_utils import TINY_ARGS, metrics, run
+from bench.runs import TINY_ARGS, metrics, run
 
 pytestmark = pytest.mark.dist
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from bench.runs import TINY_ARGS, kill_group, losses, start, train, train_cmd, wait_for_step
 from pipeline import checkpoint as ckpt
-from tests.launch_utils import TINY_ARGS, kill_group, losses, start, train, train_cmd, wait_for_step
 
 pytestmark = pytest.mark.dist
 

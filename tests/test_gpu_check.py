@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from .launch_utils import ROOT, run
+from bench.runs import run
 
 
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke(tiny_data):
-    res = run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--cpu-smoke",
+    res = run([sys.executable, "-m", "bench.gpu_check", "--cpu-smoke",
                "--data", str(tiny_data), "--timeout", "180"], timeout=600, retries=0)
     assert res.returncode == 0, res.stdout[-4000:]
     summary = res.stdout.split("=== gpu_check summary (--cpu-smoke)")[1].splitlines()[1:]

@@ -11,12 +11,11 @@ import logging
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, metrics
 from launch import envinfo
 from pipeline import hardware
 from pipeline.config import ConfigError
 from pipeline.metrics import setup_logging
-
-from .launch_utils import TINY_ARGS, metrics
 
 
 @pytest.fixture(autouse=True)

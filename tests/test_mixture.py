@@ -13,6 +13,15 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from bench.runs import (
+    TINY_ARGS,
+    kill_group,
+    metrics,
+    start,
+    train,
+    train_cmd,
+    wait_for_step,
+)
 from data_prep.shards import (
     FORMAT_VERSION,
     Manifest,
@@ -24,15 +33,6 @@ from data_prep.shards import (
 )
 from pipeline.data import Phase, Source, TokenWindows, TrainLoader
 from pipeline.rows import StreamRows
-from tests.launch_utils import (
-    TINY_ARGS,
-    kill_group,
-    metrics,
-    start,
-    train,
-    train_cmd,
-    wait_for_step,
-)
 from tests.test_data_loader import SEQ, VOCAB, make_data
 
 
@@ -173,7 +173,7 @@ def test_dry_run_prints_the_mixture(tiny_data, tmp_path):
     import subprocess
     import sys
 
-    from tests.launch_utils import ROOT, env
+    from bench.runs import ROOT, env
 
     small = small_source(tiny_data, tmp_path / "small")
     out = subprocess.run([sys.executable, "-m", "launch.train", "--dry-run",

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from bench.runs import TINY_ARGS, losses, train
 from model import GPT
 from pipeline import checkpoint as ckpt
 from pipeline.distributed import DistInfo
 from pipeline.optim import build_optimizer
-from tests.launch_utils import TINY_ARGS, losses, train
 
 pytestmark = pytest.mark.dist
 

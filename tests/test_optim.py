@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, losses
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
 from pipeline.distributed import DistInfo
@@ -22,7 +23,6 @@ from pipeline.optim import (
     muon_momentum_at,
 )
 from pipeline.train import Trainer
-from tests.launch_utils import TINY_ARGS, losses
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
+from bench.runs import ROOT, run
 from model import GPT, ModelConfig
 from pipeline.loss import EAGER_LOSS
 from pipeline.materialize import meta_gpt
 from pipeline.plan import activation_bytes, state_bytes
-from tests.launch_utils import ROOT, run
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
 

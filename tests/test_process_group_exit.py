@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import run
+from bench.runs import run
 
 pytestmark = pytest.mark.dist
 

@@ -11,13 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, metrics, train
 from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import OptimConfig, load_config
 from pipeline.data import TokenWindows, TrainLoader
 from pipeline.materialize import materialize, meta_gpt
 from pipeline.optim import build_optimizer
-from tests.launch_utils import TINY_ARGS, metrics, train
 
 STEPS, HALF = 8, 4
 # 4 sequences x 64 tokens per micro-step, 512 tokens per step: 2 accumulation micro-steps.

@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, losses, run, train
 from pipeline import checkpoint as ckpt
 from pipeline import train as train_module
 from pipeline.config import load_config
 from pipeline.distributed import DistInfo
 from pipeline.train import Trainer
-from tests.launch_utils import TINY_ARGS, losses, run, train
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

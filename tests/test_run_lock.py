@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.runs import TINY_ARGS, children, kill_group, run, start, wait_for_step
 from pipeline import checkpoint as ckpt
 from pipeline.config import ConfigError
 from pipeline.run_dir import RunDir
 from pipeline.runlock import Holder, run_lock
-from tests.launch_utils import TINY_ARGS, children, kill_group, run, start, wait_for_step
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, metrics, run
 from data_prep.tokenizer import encode_prompt, load_tokenizer_dir
 from launch.cli import main as lmforge
 from model import SamplingParams
@@ -16,7 +17,6 @@ from model.generate import sample
 from pipeline.config import ConfigError, load_config
 from pipeline.distributed import DistInfo
 from pipeline.train import Trainer
-from tests.launch_utils import TINY_ARGS, metrics, run
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

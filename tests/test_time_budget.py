@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, losses, metrics
 from pipeline import budget
 from pipeline.config import ConfigError, load_config
 from pipeline.distributed import DistInfo
 from pipeline.optim import lr_at
 from pipeline.train import Trainer
-from tests.launch_utils import TINY_ARGS, losses, metrics
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

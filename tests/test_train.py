@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
+from bench.runs import TINY_ARGS, losses, metrics, run
 from pipeline import checkpoint as ckpt
 from pipeline.config import OptimConfig, load_config
 from pipeline.distributed import DistInfo
 from pipeline.optim import lr_at
 from pipeline.train import Trainer, TrainingStopped
-from tests.launch_utils import TINY_ARGS, losses, metrics, run
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

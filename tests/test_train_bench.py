@@ -4,25 +4,19 @@ dtype the bench says (bf16 autocast when auto picks bf16, as on a native-bf16 CP
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .launch_utils import ROOT, run
-
-BENCH = ROOT / "bench" / "train_bench.py"
+from bench.runs import run
 
 
-@functools.cache
 def load_bench():
-    spec = importlib.util.spec_from_file_location("train_bench", BENCH)
-    module = sys.modules["train_bench"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from bench import train_bench
+
+    return train_bench
 
 
 class MatmulDtypes(TorchDispatchMode):
@@ -58,7 +52,7 @@ def test_every_implementation_computes_in_the_bench_dtype(impl, dtype):
 def test_train_bench_smoke(monkeypatch):
     # fp32 forced: on a CPU with native bf16 `auto` would pick bf16 (the bench says which).
     monkeypatch.setenv("LMFORGE_CPU_BF16", "emulated")
-    res = run([sys.executable, str(BENCH), "--smoke", "--shapes", "A", "--device", "cpu"],
+    res = run([sys.executable, "-m", "bench.train_bench", "--smoke", "--shapes", "A", "--device", "cpu"],
               timeout=400, retries=0)
     assert res.returncode == 0, res.stdout[-4000:]
     out = res.stdout
@@ -78,7 +72,7 @@ def test_train_bench_smoke(monkeypatch):
 
 
 def test_profile_step_runs_the_bench_step():
-    res = run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "lmforge", "--shape", "B",
+    res = run([sys.executable, "-m", "bench.profile_step", "lmforge", "--shape", "B",
                "--steps", "1", "--top", "3"], timeout=300, retries=0)
     assert res.returncode == 0, res.stdout[-4000:]
     assert "lmforge eager shape B (V 4096, " in res.stdout

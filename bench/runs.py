@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
 
 # A 2-layer model on 64-token windows: a step takes milliseconds, so a test runs dozens of them.
 TINY_ARGS = [

@@ -1,0 +1,32 @@
+"""What every bench shares: where things are, and the header line that puts the date, the
+machine's kind and the command beside each figure (the rule for bench/results/)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2_VOCAB = ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
+"""The GPT-2 vocabulary beside the checkout (tests and CI have it; tiktoken's download may not)."""
+RESULTS = ROOT / "bench" / "results"
+
+
+def machine(device: str = "cpu") -> str:
+    """The kind of machine a figure comes from: the GPU's name, or the CPU's model and ISA."""
+    if device == "cuda":
+        import torch
+
+        return f"GPU: {torch.cuda.get_device_name()}"
+    from pipeline.hardware import cpu_capability, cpu_model
+
+    return f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores)"
+
+
+def header(device: str = "cpu") -> str:
+    """`# bench.NAME, DATE UTC, MACHINE, command: ...`: the first line of every result."""
+    name = Path(sys.argv[0]).stem
+    return (f"# bench.{name}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{machine(device)}, command: python -m bench.{name} {' '.join(sys.argv[1:])}")
