@@ -17,7 +17,6 @@ Every stage runs under a timeout; any failure makes the exit status 1. A summary
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -129,12 +128,6 @@ def run_args(data: Path, run: Path, smoke: bool, *extra: str) -> list[str]:
             "cpu" if smoke else "cuda", *extra]
 
 
-def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
-    if sorted(a) != sorted(b):
-        return math.inf
-    return max(abs(a[s] - b[s]) for s in a)
-
-
 def multi_gpu_checks(work: Path, smoke: bool, timeout: float,
                      data: Path | None) -> dict[str, dict]:
     data = data or prepare_data(work, smoke)
@@ -146,7 +139,7 @@ def multi_gpu_checks(work: Path, smoke: bool, timeout: float,
                  timeout=timeout)
         losses[parallel] = lu.losses(run)
         if parallel != "none":
-            d = max_diff(losses[parallel], losses["none"])
+            d = lu.max_diff(losses[parallel], losses["none"])
             results[name] = {"ok": d <= PARITY_TOL,
                              "detail": f"max |loss - 1 process| {d:.2e} (tol {PARITY_TOL:g})"}
     run = work / "resumed"
@@ -160,7 +153,7 @@ def multi_gpu_checks(work: Path, smoke: bool, timeout: float,
         raise RuntimeError("the run to kill finished first: nothing was resumed")
     lu.train(run_args(data, run, smoke, "--train.parallel", "ddp", "--resume", "auto"), nproc=2,
              timeout=timeout)
-    d = max_diff(lu.losses(run), losses["ddp"])
+    d = lu.max_diff(lu.losses(run), losses["ddp"])
     results["kill + resume"] = {"ok": d <= RESUME_TOL,
                                 "detail": f"max |loss - uninterrupted| {d:.2e} (tol {RESUME_TOL:g})"}
     return results

@@ -31,6 +31,18 @@ TINY_ARGS = [
 ]
 
 
+def run_args(data, out, *extra: str) -> list[str]:
+    """A tiny run's flags: its data, its run directory, TINY_ARGS, then `extra` (later flags win)."""
+    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS, *extra]
+
+
+def run_config(data, out, *extra: str):
+    """The JobConfig of those flags, for a Trainer built in the test's own process."""
+    from pipeline.config import load_config
+
+    return load_config(None, run_args(data, out, *extra))
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -123,6 +135,15 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir)}
+
+
+def max_diff(a: dict[int, float], b: dict[int, float], steps=None) -> float:
+    """The largest |a - b| over `steps` (default: b's), inf when a curve lacks one of them: the
+    parity check of every "same losses under another layout" test."""
+    steps = sorted(b) if steps is None else steps
+    if not all(s in a and s in b for s in steps):
+        return float("inf")
+    return max(abs(a[s] - b[s]) for s in steps)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:

@@ -11,10 +11,10 @@ import signal
 import pytest
 
 from bench.runs import (
-    TINY_ARGS,
     kill_group,
     losses,
     run,
+    run_args,
     start,
     train,
     train_cmd,
@@ -31,10 +31,9 @@ HOOK = "LMFORGE_TEST_CHECKPOINT_WRITE"
 def args_for(data, out, *extra):
     # Evaluating every step slows a step to a few tenths of a second (the kill lands mid-run);
     # evaluation reads no training state, so the losses stay those of the reference.
-    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS,
-            "--train.max_steps", str(STEPS), "--checkpoint.every", "4", "--checkpoint.keep", "10",
-            "--checkpoint.async_save", "true", "--eval.every", "1", "--eval.tokens", "4096",
-            "--train.parallel", "fsdp", *extra]
+    return run_args(data, out, "--train.max_steps", str(STEPS), "--checkpoint.every", "4",
+                    "--checkpoint.keep", "10", "--checkpoint.async_save", "true", "--eval.every", "1", "--eval.tokens", "4096",
+            "--train.parallel", "fsdp", *extra)
 
 
 def test_sigkill_during_background_write_then_resume_is_exact(tiny_data, tmp_path, monkeypatch):

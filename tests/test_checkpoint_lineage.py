@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, losses, metrics
+from bench.runs import losses, metrics, run_config
 from data_prep import shards as S
 from pipeline import checkpoint as ckpt
-from pipeline.config import JobConfig, load_config
+from pipeline.config import JobConfig
 from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo
 from pipeline.run_dir import RunDir
@@ -28,7 +28,7 @@ CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def cfg_for(data, out, *extra):
-    return load_config(None, ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS, *extra])
+    return run_config(data, out, *extra)
 
 
 def step_names(run_dir: Path) -> list[str]:

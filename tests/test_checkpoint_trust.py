@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from bench.runs import ROOT, TINY_ARGS, env
-from launch.cli import main as lmforge
 from pipeline.distributed import DistInfo
 from pipeline.train import Trainer
+from tests.errors import cli_error, last_error
 from tests.test_checkpoint_lineage import cfg_for
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -61,13 +61,6 @@ def storage_of(md, key: str) -> tuple[MetadataIndex, _StorageInfo]:
     return next((i, s) for i, s in md.storage_data.items() if i.fqn == key)
 
 
-def cli_error(capsys, argv: list[str]) -> str:
-    rc = lmforge(argv)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (rc, err)
-    return err
-
-
 def inference_commands(ckpt_path: Path, data: Path, out: Path) -> list[list[str]]:
     return [["eval", "--ckpt", str(ckpt_path), "--data", str(data), "--max-tokens", "128"],
             ["sample", "--ckpt", str(ckpt_path), "--prompt", "x", "--max-new-tokens", "2"],
@@ -79,12 +72,6 @@ def resume_through_cli(run_dir: Path, data: Path) -> subprocess.CompletedProcess
             "--train.max_steps", "4", "--checkpoint.resume", "auto"]
     return subprocess.run([sys.executable, "-m", "launch.cli", "train", *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
-
-
-def assert_one_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and [ln for ln in err if ln.startswith("error: ")] == err[-1:], proc.stderr
-    assert "Traceback" not in proc.stderr and all(n in err[-1] for n in needles), err[-1]
 
 
 # ---- 1. no entry is unpickled without weights_only -------------------------------------------------
@@ -102,7 +89,7 @@ def test_a_tensor_declared_as_bytes_pointing_at_a_pickle_runs_nothing(step, tiny
     for argv in inference_commands(step.parents[1], tiny_data, tmp_path / "hf"):
         err = cli_error(capsys, argv)
         assert "refusing to load" in err and "'model.norm_f.weight' as pickled bytes" in err
-    assert_one_error(resume_through_cli(step.parents[1], tiny_data), "refusing to load")
+    last_error(resume_through_cli(step.parents[1], tiny_data), "refusing to load")
     assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
@@ -116,7 +103,7 @@ def test_a_pickle_patched_into_a_genuine_bytes_entry_runs_nothing_on_resume(step
     data[info.offset:info.offset + len(payload)] = payload
     (step / "__0_0.distcp").write_bytes(bytes(data))
     assert (step / ".metadata").read_bytes() == genuine
-    assert_one_error(resume_through_cli(step.parents[1], tiny_data), "refusing to load",
+    last_error(resume_through_cli(step.parents[1], tiny_data), "refusing to load",
                      "weights_only")  # torch's own refusal, named in the one line
     assert not marker.exists()
 
@@ -157,7 +144,7 @@ def test_storage_outside_the_checkpoint_is_never_read(step, tiny_data, tmp_path,
 def test_a_crafted_rng_state_is_one_error(step, tiny_data, tmp_path):
     marker = tmp_path / "ran.txt"
     (step / "rng_rank00000.pt").write_bytes(pickle.dumps(_RunsCode(marker)))
-    assert_one_error(resume_through_cli(step.parents[1], tiny_data), "rng_rank00000.pt")
+    last_error(resume_through_cli(step.parents[1], tiny_data), "rng_rank00000.pt")
     assert not marker.exists()
 
 
@@ -182,7 +169,7 @@ def test_a_symlink_in_the_datas_tokenizer_stops_training_before_it_starts(tiny_d
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--data.path", str(data),
                            "--log.out_dir", str(tmp_path / "run"), *TINY_ARGS, "--train.max_steps", "2"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert_one_error(proc, "tokenizer/notes is a symbolic link")
+    last_error(proc, "tokenizer/notes is a symbolic link")
     assert not list((tmp_path / "run").glob("checkpoints/*"))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from launch.cli import main as lmforge
+from tests.errors import one_error_line
 
 BAD_INT = ["-1", "nan", "inf", "1e99", "x", "2.5", ""]
 
@@ -31,14 +32,6 @@ def run(capsys, argv: list[str]) -> tuple[object, str]:
     return rc, capsys.readouterr().err
 
 
-def assert_one_error_line(rc, err: str, names: str) -> None:
-    assert rc == 2, (rc, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    assert names in lines[0], f"the error does not name {names}: {lines[0]}"
-
-
 PREPARE = (
     cases("--shard-tokens", BAD_INT + ["0", str(2**80)])
     + cases("--val-fraction", ["-1", "1", "nan", "inf", "-inf", "1e99", "x", ""])
@@ -55,7 +48,7 @@ def test_prepare_numbers(tmp_path, capsys, flag, value):
     out = tmp_path / "out"
     rc, err = run(capsys, ["prepare", "--source", str(tmp_path / "missing.jsonl"), "--out",
                            str(out), "--quiet", f"{flag}={value}"])
-    assert_one_error_line(rc, err, "bpe:" if flag == "--tokenizer" else flag)
+    one_error_line(rc, err, "bpe:" if flag == "--tokenizer" else flag)
     assert not out.exists()
 
 
@@ -69,14 +62,14 @@ def test_prepare_numbers_with_a_real_source(tmp_path, capsys, flag, value):
     out = tmp_path / "out"
     rc, err = run(capsys, ["prepare", "--source", str(src), "--lines", "--tokenizer", "bpe:300",
                            "--out", str(out), "--quiet", flag, value])
-    assert_one_error_line(rc, err, flag)
+    one_error_line(rc, err, flag)
     assert not out.exists()
 
 
 @pytest.mark.parametrize("flag,value", cases("--tokens", BAD_INT + ["0"]) + cases("--seed", BAD_INT))
 def test_inspect_numbers(tmp_path, capsys, flag, value):
     rc, err = run(capsys, ["inspect", str(tmp_path / "missing"), f"{flag}={value}"])
-    assert_one_error_line(rc, err, flag)
+    one_error_line(rc, err, flag)
 
 
 EVAL = (
@@ -91,7 +84,7 @@ def test_eval_numbers(tmp_path, capsys, flag, value):
     report = tmp_path / "eval.json"
     rc, err = run(capsys, ["eval", "--ckpt", str(tmp_path / "run"), "--data", str(tmp_path / "data"),
                            "--json", str(report), "--device", "cpu", f"{flag}={value}"])
-    assert_one_error_line(rc, err, flag)
+    one_error_line(rc, err, flag)
     assert not report.exists()
 
 
@@ -104,5 +97,5 @@ def test_eval_numbers(tmp_path, capsys, flag, value):
 def test_missing_values_are_one_line(capsys, argv, names):
     """A missing flag or value: one line that names it (and --help), not argparse's usage block."""
     rc, err = run(capsys, argv)
-    assert_one_error_line(rc, err, names)
+    one_error_line(rc, err, names)
     assert "--help" in err

@@ -17,6 +17,7 @@ import pytest
 from data_prep import shards as S
 from data_prep.tokenizer import EOT, load_tokenizer, load_tokenizer_dir, token_byte_lengths
 from launch.prepare import main
+from tests.errors import proc_error
 
 GPT2 = Path(__file__).resolve().parents[2] / "shared/tokenizers/gpt2.tiktoken"
 needs_gpt2 = pytest.mark.skipif(not GPT2.is_file(), reason=f"GPT-2 vocabulary not found at {GPT2}")
@@ -168,32 +169,24 @@ def _fake_vocab(path: Path, n: int) -> Path:
     return path
 
 
-def assert_one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    for w in words:
-        assert w in r.stderr, r.stderr
-
-
 def test_bad_inputs_one_line_nothing_written(tmp_path):
     out = tmp_path / "out"
-    assert_one_line_error(run_cli("--source", str(tmp_path / "nope.jsonl"), "--out", str(out)),
+    proc_error(run_cli("--source", str(tmp_path / "nope.jsonl"), "--out", str(out)),
                           "not found")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty/a.txt").write_text("")
-    assert_one_line_error(run_cli("--source", str(tmp_path / "empty"), "--out", str(out)),
+    proc_error(run_cli("--source", str(tmp_path / "empty"), "--out", str(out)),
                           "no documents")
     src = write_jsonl(tmp_path / "c.jsonl", ["a", "b"], field="content")
-    assert_one_line_error(run_cli("--source", str(src), "--out", str(out)), "--text-field")
+    proc_error(run_cli("--source", str(src), "--out", str(out)), "--text-field")
     big = _fake_vocab(tmp_path / "big.tiktoken", 70_000)
-    assert_one_line_error(run_cli("--source", str(src), "--text-field", "content", "--tokenizer",
+    proc_error(run_cli("--source", str(src), "--text-field", "content", "--tokenizer",
                                   str(big), "--dtype", "uint16", "--out", str(out)), "uint16")
     assert not out.exists()
     # a directory that is not ours
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign/notes.txt").write_text("keep me")
-    assert_one_line_error(run_cli("--source", str(src), "--text-field", "content", "--out",
+    proc_error(run_cli("--source", str(src), "--text-field", "content", "--out",
                                   str(tmp_path / "foreign")), "not empty")
     assert sorted(os.listdir(tmp_path / "foreign")) == ["notes.txt"]
 
@@ -211,7 +204,7 @@ def test_other_arguments_on_prepared_dir_refused(tmp_path):
     prep(out, "--tokenizer", str(GPT2), "--max-docs", "20")
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     r = run_cli("--tokenizer", str(GPT2), "--max-docs", "21", "--out", str(out))
-    assert_one_line_error(r, "max_docs")
+    proc_error(r, "max_docs")
     assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
 
@@ -246,7 +239,7 @@ def test_parts_merge_to_whole(tmp_path):
             sorted(map(bytes, decoded_docs(whole, sp)))
     r = run_cli("--merge", str(tmp_path / "p1"), str(tmp_path / "p2"), "--out",
                 str(tmp_path / "m2"))
-    assert_one_line_error(r, "exactly once")
+    proc_error(r, "exactly once")
 
 
 @needs_gpt2
@@ -292,4 +285,4 @@ def test_inspect_and_missing_manifest(tmp_path):
     r = run_cli(str(tmp_path / "out"), "--tokens", "50", "--seed", "0", command="inspect")
     assert r.returncode == 0 and "tokenizer gpt2" in r.stdout and "tokens [" in r.stdout
     r = run_cli(str(tmp_path / "missing"), command="inspect")
-    assert_one_line_error(r, "lmforge prepare")
+    proc_error(r, "lmforge prepare")

@@ -16,12 +16,13 @@ import sys
 import pytest
 
 from bench.runs import (
-    TINY_ARGS,
     children,
     free_port,
     kill_group,
     losses,
+    max_diff,
     run,
+    run_args,
     start,
     train,
     train_cmd,
@@ -35,16 +36,13 @@ STEPS = 24
 
 
 def args_for(data, out, *extra):
-    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS,
-            "--train.max_steps", str(STEPS), "--checkpoint.every", "4", "--checkpoint.keep", "10",
-            *extra]
+    return run_args(data, out, "--train.max_steps", str(STEPS), "--checkpoint.every", "4",
+                    "--checkpoint.keep", "10", *extra)
 
 
 def assert_close(a: dict[int, float], b: dict[int, float], tol: float, steps=None):
-    steps = steps or sorted(b)
-    assert all(s in a for s in steps), f"missing steps: {sorted(set(steps) - set(a))}"
-    worst = max(abs(a[s] - b[s]) for s in steps)
-    assert worst <= tol, f"max |loss diff| {worst:.3g} > {tol:g}\n{[(s, a[s], b[s]) for s in steps]}"
+    worst = max_diff(a, b, steps)
+    assert worst <= tol, f"max |loss diff| {worst:.3g} > {tol:g}\n{sorted(a.items())}\n{sorted(b.items())}"
 
 
 @pytest.fixture(scope="module")

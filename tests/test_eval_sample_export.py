@@ -20,6 +20,7 @@ from pipeline.checkpoint import CheckpointMeta, save_consolidated
 from pipeline.config import config_from_dict
 from pipeline.data import IGNORE_INDEX, TokenWindows
 from pipeline.evaluate import eval_batches
+from tests.errors import cli_error
 
 SEQ_LEN = 32
 
@@ -52,12 +53,6 @@ def ckpt(tiny_data, tmp_path_factory) -> Path:
 
 def val_stream(data: Path) -> np.ndarray:
     return np.concatenate([open_shard(p) for p in sorted(data.glob("val_*.bin"))]).astype(np.int64)
-
-
-def one_error_line(capsys, rc: int) -> str:
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,13 +109,13 @@ def test_eval_refuses_other_tokenizer(ckpt, tmp_path, capsys):
     assert prepare(["--source", "builtin:pystdlib", "--tokenizer", "bpe:300", "--out", str(other),
                     "--max-docs", "20", "--val-docs", "2", "--workers", "1", "--quiet"]) == 0
     capsys.readouterr()
-    err = one_error_line(capsys, lmforge(["eval", "--ckpt", str(ckpt), "--data", str(other)]))
+    err = cli_error(capsys, ["eval", "--ckpt", str(ckpt), "--data", str(other)])
     assert "tokenized with bpe300" in err and "--tokenizer" in err
 
 
 def test_missing_checkpoint(tiny_data, tmp_path, capsys):
     for cmd in (["eval", "--data", str(tiny_data)], ["sample", "--prompt", "x"], ["export", "--hf", str(tmp_path / "o")]):
-        err = one_error_line(capsys, lmforge([*cmd, "--ckpt", str(tmp_path / "nope")]))
+        err = cli_error(capsys, [*cmd, "--ckpt", str(tmp_path / "nope")])
         assert "does not exist" in err
     assert not (tmp_path / "o").exists()
 
@@ -129,7 +124,7 @@ def test_checkpoint_of_another_shape(ckpt, tiny_data, tmp_path, capsys):
     """Weights of one model under the meta.json of another: one line, not a size-mismatch trace."""
     bad = make_checkpoint(tmp_path / "bad", tiny_data, d_model=32)
     (bad / "meta.json").write_text((ckpt / "meta.json").read_text())
-    err = one_error_line(capsys, lmforge(["sample", "--ckpt", str(bad), "--prompt", "x"]))
+    err = cli_error(capsys, ["sample", "--ckpt", str(bad), "--prompt", "x"])
     assert "do not fit" in err
 
 
@@ -161,7 +156,7 @@ def test_sample_same_seed_same_text(ckpt, capsys):
 
 def test_sample_prompt_errors_and_clamp(ckpt, tmp_path, capsys):
     long = "x = 1\n" * 100  # far more than the 64-token context
-    err = one_error_line(capsys, lmforge(["sample", "--ckpt", str(ckpt), "--prompt", long]))
+    err = cli_error(capsys, ["sample", "--ckpt", str(ckpt), "--prompt", long])
     assert "context is 64" in err and "shorten" in err
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("import os\n", encoding="utf-8")
@@ -194,6 +189,6 @@ def test_export_loads_in_transformers_with_same_tokens(ckpt, tiny_data, tmp_path
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
     capsys.readouterr()
-    err = one_error_line(capsys, lmforge(["export", "--ckpt", str(ckpt), "--hf", str(other)]))
+    err = cli_error(capsys, ["export", "--ckpt", str(ckpt), "--hf", str(other)])
     assert "not an lmforge export" in err
     assert [p.name for p in other.iterdir()] == ["notes.txt"]

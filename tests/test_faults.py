@@ -10,7 +10,16 @@ import time
 
 import pytest
 
-from bench.runs import TINY_ARGS, kill_group, losses, start, train, train_cmd, wait_for_step
+from bench.runs import (
+    TINY_ARGS,
+    kill_group,
+    losses,
+    run_args,
+    start,
+    train,
+    train_cmd,
+    wait_for_step,
+)
 from pipeline import checkpoint as ckpt
 
 pytestmark = pytest.mark.dist
@@ -22,9 +31,8 @@ KILLS = 3
 def args_for(data, out, *extra):
     # Evaluating every step slows each step to a few tenths of a second, so a kill lands inside a
     # run; evaluation reads no training state, so the losses stay those of the reference.
-    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS,
-            "--train.max_steps", str(STEPS), "--checkpoint.every", "2", "--checkpoint.keep", "2",
-            "--eval.every", "1", "--eval.tokens", "8192", *extra]
+    return run_args(data, out, "--train.max_steps", str(STEPS), "--checkpoint.every", "2",
+                    "--checkpoint.keep", "2", "--eval.every", "1", "--eval.tokens", "8192", *extra)
 
 
 def kill_at_random_moment(cmd, run_dir, rng: random.Random) -> bool:

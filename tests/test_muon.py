@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bench.runs import TINY_ARGS, losses, train
+from bench.runs import losses, max_diff, run_args, train
 from model import GPT
 from pipeline import checkpoint as ckpt
 from pipeline.distributed import DistInfo
@@ -26,15 +26,9 @@ STEPS = 12
 
 def args_for(data, out, *extra):
     # 1024 tokens per step: 4 micro-steps of 4 x 64 on 1 rank, 2 per rank on 2 ranks.
-    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS,
-            "--train.global_batch_tokens", "1024", "--train.max_steps", str(STEPS),
+    return run_args(data, out, "--train.global_batch_tokens", "1024", "--train.max_steps", str(STEPS),
             "--optim.name", "muon", "--optim.muon_momentum_warmup_steps", "8",
-            "--checkpoint.every", "6", "--eval.every", "0", *extra]
-
-
-def max_diff(a: dict[int, float], b: dict[int, float], steps) -> float:
-    assert all(s in a and s in b for s in steps), (sorted(a), sorted(b))
-    return max(abs(a[s] - b[s]) for s in steps)
+            "--checkpoint.every", "6", "--eval.every", "0", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +46,9 @@ def test_ddp_two_ranks_equals_one_rank_with_accumulation(runs):
     single, ddp = losses(runs["single"]), losses(runs["ddp"])
     steps = list(range(1, STEPS + 1))
     assert max_diff(ddp, single, steps) <= 1e-5
-    # Muon really ran: the curve is not AdamW's.
-    assert max_diff(single, losses(runs["adamw"]), steps[2:]) > 1e-2
+    # Muon really ran: the curve is not AdamW's (both complete, so the difference is a number).
+    assert sorted(losses(runs["adamw"])) == steps
+    assert 1e-2 < max_diff(single, losses(runs["adamw"]), steps[2:]) < float("inf")
     assert single[STEPS] < single[1] - 0.5
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, losses, run, train
+from bench.runs import losses, run, run_args, train
 from pipeline import checkpoint as ckpt
 from pipeline import train as train_module
 from pipeline.config import load_config
@@ -19,8 +19,7 @@ CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def args_for(data, out, *extra):
-    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS,
-            "--train.max_steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "5", *extra]
+    return run_args(data, out, "--train.max_steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "5", *extra)
 
 
 def test_a_torn_last_metrics_line_is_dropped_and_logged(tiny_data, tmp_path):

@@ -16,27 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import TINY_ARGS, children, kill_group, run, start, wait_for_step
+from bench.runs import children, kill_group, run, run_args, start, wait_for_step
 from pipeline import checkpoint as ckpt
 from pipeline.config import ConfigError
 from pipeline.run_dir import RunDir
 from pipeline.runlock import Holder, run_lock
+from tests.errors import proc_error
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
 
 
 def lmforge_train(*args) -> list[str]:
     return [sys.executable, "-m", "launch.cli", "train", *map(str, args)]
-
-
-def args_for(data, out, *extra):
-    return ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS, *extra]
-
-
-def one_error_line(res) -> str:
-    lines = res.stdout.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stdout
-    return lines[0]
 
 
 def alive(pid: int) -> bool:
@@ -50,21 +41,21 @@ def alive(pid: int) -> bool:
 
 def test_a_second_writer_is_refused_and_a_dead_writers_lock_taken_over(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    first = start(lmforge_train(*args_for(tiny_data, run_dir, *LONG, "--checkpoint.every", "0")))
+    first = start(lmforge_train(*run_args(tiny_data, run_dir, *LONG, "--checkpoint.every", "0")))
     try:
         wait_for_step(first, run_dir, 1)
         holder = json.loads((RunDir(run_dir).lock).read_text())
         assert holder["pid"] == first.pid
         for nproc in ("1", "2"):  # the trainer's own refusal, and the launcher's before torchrun
-            res = run(lmforge_train("--nproc", nproc, *args_for(tiny_data, run_dir, "--resume",
+            res = run(lmforge_train("--nproc", nproc, *run_args(tiny_data, run_dir, "--resume",
                                                                 "auto")), timeout=120)
-            line = one_error_line(res)
+            line = proc_error(res)
             assert f"is being written by another run (pid {first.pid} on " in line, line
     finally:
         kill_group(first)  # SIGKILL: the lock stays behind, naming a process that is gone
         first.communicate()
     assert (RunDir(run_dir).lock).is_file()
-    res = run(lmforge_train(*args_for(tiny_data, run_dir, "--train.max_steps", "2",
+    res = run(lmforge_train(*run_args(tiny_data, run_dir, "--train.max_steps", "2",
                                       "--resume", "auto")), timeout=120)
     assert res.returncode == 0, res.stdout[-3000:]
     assert f"taking over the lock of pid {first.pid}" in res.stdout
@@ -76,7 +67,7 @@ def test_a_lock_from_another_host_is_refused_with_the_file_to_delete(tiny_data, 
     run_dir.mkdir()
     (RunDir(run_dir).lock).write_text(json.dumps(
         {"host": "elsewhere.invalid", "pid": os.getpid(), "start_ticks": None, "since": "then"}))
-    line = one_error_line(run(lmforge_train(*args_for(tiny_data, run_dir)), timeout=120))
+    line = proc_error(run(lmforge_train(*run_args(tiny_data, run_dir)), timeout=120))
     assert "another host" in line and f"delete {RunDir(run_dir).lock}" in line, line
     assert sorted(p.name for p in run_dir.iterdir()) == [RunDir(run_dir).lock.name]  # nothing written
 
@@ -104,7 +95,7 @@ def test_the_lock_is_held_for_the_body_and_told_from_a_reused_pid(tmp_path):
 @pytest.mark.dist
 def test_killing_the_launchers_group_stops_its_workers(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    launcher = start(lmforge_train("--nproc", "2", *args_for(
+    launcher = start(lmforge_train("--nproc", "2", *run_args(
         tiny_data, run_dir, *LONG, "--train.parallel", "ddp", "--checkpoint.every", "2")))
     workers = []
     try:

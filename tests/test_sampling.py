@@ -1,5 +1,6 @@
-"""The sampling rules: what the sampler draws (temperature, top-k then top-p, against references),
-and bad sampling settings refused before any work, by `lmforge train` and `lmforge sample`."""
+"""The sampling rules: what the sampler draws (temperature, top-k then top-p, against references;
+ever colder sampling ends in greedy decoding, never in a NaN), and bad sampling settings refused
+before any work, by `lmforge train` and `lmforge sample`."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import sys
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, metrics, run
+from bench.runs import TINY_ARGS, metrics, run, run_config
 from data_prep.tokenizer import encode_prompt, load_tokenizer_dir
 from launch.cli import main as lmforge
 from model import SamplingParams
-from model.generate import sample
+from model.generate import MIN_TEMPERATURE, sample
 from pipeline.config import ConfigError, load_config
 from pipeline.distributed import DistInfo
 from pipeline.train import Trainer
+from tests.test_eval_sample_export import make_checkpoint
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -112,7 +114,7 @@ def test_reference_matches_transformers_warpers():
 
 
 def cfg_for(data, out, *extra):
-    return load_config(None, ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS, *extra])
+    return run_config(data, out, *extra)
 
 
 def prompt_of(data, n_tokens: int) -> str:
@@ -186,3 +188,31 @@ def test_sample_options_refused_before_any_work(option, value, tmp_path, capsys)
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("error: ") and option in err[0], err
 
+
+# ---- ever colder sampling: greedy below fp32's smallest normal, never NaN -------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-37, 1e-6])
+def test_cold_sampling_draws_the_most_likely_token(temperature):
+    # A gap of 1e4 / 1e-37 overflowed fp32: softmax(inf, ...) is NaN and multinomial refused it.
+    logits_BV = torch.tensor([[0.0, 1e4, -3e4, 5.0], [2.0, -1.0, 0.5, 1.5]])
+    sampling = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=0)
+    for seed in range(5):
+        draws = sample(logits_BV, sampling, torch.Generator().manual_seed(seed))
+        assert draws.tolist() == [1, 0]
+    assert sampling.greedy == (temperature < MIN_TEMPERATURE)
+
+
+def test_sample_at_a_temperature_below_the_floor_is_greedy_and_says_so(tiny_data, tmp_path,
+                                                                       capsys):
+    ckpt = str(make_checkpoint(tmp_path / "final", tiny_data))
+    outs = []
+    for temperature in ("0", "1e-45"):
+        rc = lmforge(["sample", "--ckpt", ckpt, "--prompt", "def ", "--max-new-tokens", "12",
+                      "--temperature", temperature, "--seed", "3", "--dtype", "fp32"])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        outs.append(captured.out)
+        assert "note: computing in fp32 on cpu (--dtype fp32)" in captured.err
+    assert outs[0] == outs[1]
+    assert "note: --temperature 1e-45 is below 1.18e-38: sampling greedily" in captured.err
