@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import header
+from bench.common import add_model_args, emit, header
 from bench.fsdp_memory import write_data
 
 
@@ -58,14 +58,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--plain-steps", type=int, default=3)
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--n-layer", type=int, default=8)
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--data", type=Path, help="a prepared dataset of --vocab ids")
-    p.add_argument("--out", type=Path, help="also write the table to this file")
+    add_model_args(p, d_model=768, n_layer=8, n_head=12)
     a = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     from pipeline.async_checkpoint import Checkpointer
@@ -105,10 +98,7 @@ def main() -> None:
                  f"async stall {med['async_stall'] * 1e3:.0f} ms "
                  f"({med['async_stall'] / med['plain']:.2f}x a step; the saving step itself "
                  f"{med['async_call'] * 1e3:.0f} ms)")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

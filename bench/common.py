@@ -3,6 +3,7 @@ machine's kind and the command beside each figure (the rule for bench/results/).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -30,3 +31,24 @@ def header(device: str = "cpu") -> str:
     name = Path(sys.argv[0]).stem
     return (f"# bench.{name}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{machine(device)}, command: python -m bench.{name} {' '.join(sys.argv[1:])}")
+
+
+def add_model_args(p: argparse.ArgumentParser, d_model: int, n_layer: int, n_head: int) -> None:
+    """The model and batch flags the training benches share, with each bench's default size."""
+    p.add_argument("--d-model", type=int, default=d_model)
+    p.add_argument("--n-layer", type=int, default=n_layer)
+    p.add_argument("--n-head", type=int, default=n_head)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--data", type=Path, help="a prepared dataset of --vocab ids (default: "
+                   "prepare one from the built-in corpus)")
+    p.add_argument("--out", type=Path, help="also write the table to this file")
+
+
+def emit(lines: list[str], out: Path | None) -> None:
+    """Print a bench's result, and write it to `out` (bench/results/...) when given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        out.write_text(text)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, header
+from bench.common import ROOT, add_model_args, emit, header
 
 MB = 2**20
 
@@ -149,17 +149,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: torch.cuda.max_memory_allocated instead of the peak RSS")
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--n-layer", type=int, default=8)
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4)
+    add_model_args(p, d_model=768, n_layer=8, n_head=12)
     p.add_argument("--accum", type=int, default=1, help="accumulation steps per rank")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--data", type=Path, help="a prepared dataset of --vocab ids (default: "
-                   "prepare one from the built-in corpus)")
-    p.add_argument("--out", type=Path, help="also write the table to this file")
     a = p.parse_args()
     if a.worker:
         return worker(a)
@@ -188,10 +180,7 @@ def main() -> None:
                              f"{r['peak']:>7.0f}{r['peak'] - r['start']:>6.0f}{plan['peak']:>8.0f}"
                              f"  {parts}; step {r['step_s'] * 1e3:.0f} ms")
             print("\n".join(lines[-world:]), flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, header
+from bench.common import ROOT, add_model_args, emit, header
 from bench.fsdp_memory import write_data
 
 
@@ -54,15 +54,8 @@ def main() -> None:
                    help="ddp: the same comparison where every rank orthogonalises every matrix")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4)
+    add_model_args(p, d_model=512, n_layer=4, n_head=8)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--data", type=Path, help="a prepared dataset of --vocab ids")
-    p.add_argument("--out", type=Path, help="also write the table to this file")
     a = p.parse_args()
 
     times: dict[str, list[float]] = {"adamw": [], "muon": []}
@@ -80,10 +73,7 @@ def main() -> None:
              f"median step: AdamW {statistics.median(times['adamw']) * 1e3:.0f} ms, Muon "
              f"{statistics.median(times['muon']) * 1e3:.0f} ms; Muon/AdamW "
              f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":
