@@ -35,3 +35,35 @@ def tiny_data(tmp_path_factory) -> Path:
     ])
     assert rc == 0
     return out
+
+
+# The layouts a parity test compares: the same 1024-token global batch as 1 process x 4
+# micro-steps, and as 2 ranks x 2 micro-steps under DDP and under FSDP2 (4 sequences x 64
+# tokens each), AdamW, fp32, checkpoints every 4 steps.
+LAYOUT_STEPS = 24
+
+
+def layout_args(data, out, *extra: str) -> list[str]:
+    from bench.runs import run_args
+
+    return run_args(data, out, "--train.global_batch_tokens", "1024",
+                    "--train.max_steps", str(LAYOUT_STEPS), "--checkpoint.every", "4",
+                    "--checkpoint.keep", "10", *extra)
+
+
+@pytest.fixture(scope="session")
+def layout_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """One run per layout ("none", "ddp", "fsdp"), each with its gradient collectives traced
+    to RUN.trace.rankN (LMFORGE_TRACE_GRAD_SYNC): the baselines of the accumulation, parity,
+    resume and resharding tests, trained once for all of them."""
+    from bench.runs import train
+
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for parallel in ("none", "ddp", "fsdp"):
+        out[parallel] = root / parallel
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LMFORGE_TRACE_GRAD_SYNC", str(root / f"{parallel}.trace"))
+            train(layout_args(tiny_data, out[parallel], "--train.parallel", parallel),
+                  nproc=1 if parallel == "none" else 2)
+    return out

@@ -11,32 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import TINY_ARGS, metrics, train
+from bench.runs import metrics
+from tests.conftest import LAYOUT_STEPS as STEPS
 
 pytestmark = pytest.mark.dist
 
-STEPS = 12
-# 1024 tokens per step = 2 ranks x 2 micro-steps x 4 sequences x 64 tokens (1 process: 4 micro-steps).
-ARGS = [*TINY_ARGS, "--train.global_batch_tokens", "1024", "--train.max_steps", str(STEPS),
-        "--checkpoint.every", "0", "--eval.every", "0"]
 # fp32: the only difference from one process is the order in which the micro-batch gradients
 # are summed. Measured over 12 steps (AVX2 CPU, gloo), relative: loss 2e-8 (DDP and FSDP), grad
 # norm 1.2e-7 (DDP) and 1.8e-7 (FSDP). Syncing the first micro-step instead: loss 7e-3 off.
-TOL = 1e-6
+TOL, TOL_STEPS = 1e-6, range(1, 13)
 COLLECTIVES_PER_SYNC = {"ddp": 1, "fsdp": 3}
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("accum")
-    out = {}
-    for parallel, nproc in (("none", 1), ("ddp", 2), ("fsdp", 2)):
-        out[parallel] = root / parallel
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LMFORGE_TRACE_GRAD_SYNC", str(root / f"trace_{parallel}"))
-            train(["--data.path", str(tiny_data), "--log.out_dir", str(out[parallel]), *ARGS,
-                   "--train.parallel", parallel], nproc=nproc)
-    return root, out
+def trace(runs: dict[str, Path], parallel: str, rank: int) -> Path:
+    return runs[parallel].with_name(f"{parallel}.trace.rank{rank}")
 
 
 def curve(run_dir: Path, key: str) -> dict[int, float]:
@@ -44,12 +32,11 @@ def curve(run_dir: Path, key: str) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_two_micro_steps_equal_one_process(runs, parallel):
-    _, out = runs
+def test_two_ranks_two_micro_steps_equal_one_process(layout_runs, parallel):
     for key in ("loss", "grad_norm"):
-        single, multi = curve(out["none"], key), curve(out[parallel], key)
+        single, multi = curve(layout_runs["none"], key), curve(layout_runs[parallel], key)
         assert sorted(single) == sorted(multi) == list(range(1, STEPS + 1))
-        worst = max(abs(multi[s] - single[s]) / max(1.0, abs(single[s])) for s in single)
+        worst = max(abs(multi[s] - single[s]) / max(1.0, abs(single[s])) for s in TOL_STEPS)
         print(f"{parallel} {key}: max |diff| vs 1 process = {worst:.3g}")
         assert worst <= TOL, f"{parallel} {key} drifts {worst:.3g} from 1 process (> {TOL:g})"
 
@@ -68,10 +55,9 @@ def steps_of(trace: Path, accum: int = 2) -> list[list[tuple[int, int]]]:
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_gradients_are_reduced_once_per_optimizer_step(runs, parallel):
-    root, _ = runs
+def test_gradients_are_reduced_once_per_optimizer_step(layout_runs, parallel):
     for rank in (0, 1):
-        steps = steps_of(root / f"trace_{parallel}.rank{rank}")
+        steps = steps_of(trace(layout_runs, parallel, rank))
         per_step = {step[1][1] for step in steps}
         print(f"{parallel} rank {rank}: collectives per step (first, last micro-step): "
               f"{sorted({(a[1], b[1]) for a, b in steps})}")
@@ -83,8 +69,7 @@ def test_gradients_are_reduced_once_per_optimizer_step(runs, parallel):
         assert per_step == {COLLECTIVES_PER_SYNC[parallel]}, per_step
 
 
-def test_one_process_launches_no_collective(runs):
-    root, _ = runs
-    steps = steps_of(root / "trace_none.rank0", accum=4)
+def test_one_process_launches_no_collective(layout_runs):
+    steps = steps_of(trace(layout_runs, "none", 0), accum=4)
     assert all(n == 0 for step in steps for _, n in step)
     assert [sync for sync, _ in steps[0]] == [0, 0, 0, 1]

@@ -22,22 +22,18 @@ from bench.runs import (
     losses,
     max_diff,
     run,
-    run_args,
     start,
     train,
     train_cmd,
     wait_for_step,
 )
 from pipeline import checkpoint as ckpt
+from tests.conftest import LAYOUT_STEPS, layout_args
 
 pytestmark = pytest.mark.dist
 
-STEPS = 24
+STEPS = LAYOUT_STEPS
 
-
-def args_for(data, out, *extra):
-    return run_args(data, out, "--train.max_steps", str(STEPS), "--checkpoint.every", "4",
-                    "--checkpoint.keep", "10", *extra)
 
 
 def assert_close(a: dict[int, float], b: dict[int, float], tol: float, steps=None):
@@ -46,14 +42,9 @@ def assert_close(a: dict[int, float], b: dict[int, float], tol: float, steps=Non
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory):
-    """Baselines shared by the tests: 1 rank x 2 accumulation, 2-rank DDP, 2-rank FSDP."""
-    root = tmp_path_factory.mktemp("runs")
-    out = {name: root / name for name in ("single", "ddp", "fsdp")}
-    train(args_for(tiny_data, out["single"], "--train.parallel", "none"))
-    train(args_for(tiny_data, out["ddp"], "--train.parallel", "ddp"), nproc=2)
-    train(args_for(tiny_data, out["fsdp"], "--train.parallel", "fsdp"), nproc=2)
-    return out
+def runs(layout_runs):
+    """The shared baselines: 1 process x 4 micro-steps ("single"), 2-rank DDP, 2-rank FSDP."""
+    return {"single": layout_runs["none"], "ddp": layout_runs["ddp"], "fsdp": layout_runs["fsdp"]}
 
 
 def test_loss_goes_down(runs):
@@ -80,14 +71,14 @@ def kill_and_resume(data, run_dir, parallel, seed):
     # Evaluating every step slows the run down enough to kill it mid-way; evaluation reads no
     # training state, so the losses stay those of the baseline.
     slow = ["--eval.every", "1", "--eval.tokens", "16384"]
-    proc = start(train_cmd(args_for(data, run_dir, "--train.parallel", parallel, *slow), nproc=2))
+    proc = start(train_cmd(layout_args(data, run_dir, "--train.parallel", parallel, *slow), nproc=2))
     try:
         wait_for_step(proc, run_dir, kill_at)
     finally:
         kill_group(proc, signal.SIGKILL)
         proc.communicate()
     assert not (run_dir / "final").exists(), "the run finished before it could be killed"
-    train(args_for(data, run_dir, "--train.parallel", parallel, "--resume", "auto"), nproc=2)
+    train(layout_args(data, run_dir, "--train.parallel", parallel, "--resume", "auto"), nproc=2)
     return kill_at
 
 
@@ -111,7 +102,7 @@ def resume_copy(src_run, step, dst_run):
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_checkpoint_from_two_ranks_resumes_on_one(runs, tiny_data, tmp_path, parallel):
     resume_copy(runs[parallel], 12, tmp_path / "r")
-    train(args_for(tiny_data, tmp_path / "r", "--train.parallel", "none", "--resume", "auto"))
+    train(layout_args(tiny_data, tmp_path / "r", "--train.parallel", "none", "--resume", "auto"))
     after = {s: v for s, v in losses(tmp_path / "r").items() if s > 12}
     assert sorted(after) == list(range(13, STEPS + 1))
     assert_close(after, losses(runs[parallel]), 1e-4, steps=sorted(after))
@@ -119,19 +110,19 @@ def test_checkpoint_from_two_ranks_resumes_on_one(runs, tiny_data, tmp_path, par
 
 def test_checkpoint_from_one_rank_resumes_on_two_with_fsdp(runs, tiny_data, tmp_path):
     resume_copy(runs["single"], 12, tmp_path / "r")
-    train(args_for(tiny_data, tmp_path / "r", "--train.parallel", "fsdp", "--resume", "auto"), nproc=2)
+    train(layout_args(tiny_data, tmp_path / "r", "--train.parallel", "fsdp", "--resume", "auto"), nproc=2)
     after = {s: v for s, v in losses(tmp_path / "r").items() if s > 12}
     assert_close(after, losses(runs["single"]), 1e-4, steps=list(range(13, STEPS + 1)))
 
 
 def test_accelerate_launch_two_processes(runs, tiny_data, tmp_path):
-    train(args_for(tiny_data, tmp_path / "acc", "--train.parallel", "ddp"), nproc=2, launcher="accelerate")
+    train(layout_args(tiny_data, tmp_path / "acc", "--train.parallel", "ddp"), nproc=2, launcher="accelerate")
     assert_close(losses(tmp_path / "acc"), losses(runs["ddp"]), 1e-6)
 
 
 def test_two_nodes_rendezvous_equal_one_node(runs, tiny_data, tmp_path):
     port = free_port()
-    args = args_for(tiny_data, tmp_path / "mn", "--train.parallel", "ddp")
+    args = layout_args(tiny_data, tmp_path / "mn", "--train.parallel", "ddp")
     nodes = [
         start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={r}",
                "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -151,7 +142,7 @@ def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
     """Preemption: the scheduler signals the training processes; each finishes its step, the
     ranks save one checkpoint together and exit 0, so torchrun exits 0 too."""
     run_dir = tmp_path / "term"
-    proc = start(train_cmd(args_for(tiny_data, run_dir, "--train.parallel", "ddp",
+    proc = start(train_cmd(layout_args(tiny_data, run_dir, "--train.parallel", "ddp",
                                     "--train.max_steps", "100000", "--checkpoint.every", "0"), nproc=2))
     try:
         wait_for_step(proc, run_dir, 3)
@@ -184,7 +175,7 @@ def test_fsdp_bf16_mixed_precision_tracks_ddp_autocast(tiny_data, tmp_path):
     curves = {}
     for parallel in ("ddp", "fsdp"):
         out = tmp_path / parallel
-        train(args_for(tiny_data, out, "--train.parallel", parallel, "--train.dtype", "bf16",
+        train(layout_args(tiny_data, out, "--train.parallel", parallel, "--train.dtype", "bf16",
                        "--train.max_steps", "12", "--checkpoint.every", "0"), nproc=2)
         curves[parallel] = losses(out)
     assert curves["fsdp"][12] < curves["fsdp"][1] - 0.5  # it learns
