@@ -35,7 +35,6 @@ pytestmark = pytest.mark.dist
 STEPS = LAYOUT_STEPS
 
 
-
 def assert_close(a: dict[int, float], b: dict[int, float], tol: float, steps=None):
     worst = max_diff(a, b, steps)
     assert worst <= tol, f"max |loss diff| {worst:.3g} > {tol:g}\n{sorted(a.items())}\n{sorted(b.items())}"
