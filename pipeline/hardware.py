@@ -118,9 +118,9 @@ WORKLOADS = ("train", "eval", "sample")
 
 
 def measure_bf16_fp32() -> tuple[float, float]:
-    """(bf16, fp32) matmul FLOP/s of one thread on a 256^3 product, ~0.3 s in all. 256 is big
-    enough for native bf16 kernels (oneDNN AVX512-BF16/AMX) to beat fp32 and small enough that
-    the emulated path (~0.3 GFLOP/s, one product ~0.1 s) keeps the probe short. One thread: the
+    """(bf16, fp32) matmul FLOP/s of one thread on a 256^3 product. 256 is big enough for native
+    bf16 kernels (oneDNN AVX512-BF16/AMX) to beat fp32 and small enough that one product stays
+    a fraction of a second where bf16 is emulated, so the probe is short. One thread: the
     ratio is the same with more, and a single thread is not stalled by a busy machine's other
     processes the way a team of threads waiting on each other is."""
     threads = torch.get_num_threads()
@@ -294,9 +294,9 @@ def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
     return None, f"no peak FLOP/s known for '{name}'; MFU is not reported"
 
 
-# Largest square matmul tried: 4096^3 fp32 reaches a CPU's peak (~160 GFLOP/s on 2 AVX2 cores);
-# sizes grow until one product takes longer than _CPU_STEP_S, so the whole measurement stays
-# within ~1-2 s even where bf16 is emulated (there 512^3 already takes ~1 s).
+# Largest square matmul tried: 4096^3 fp32 is past where a CPU's matmul reaches its peak; sizes
+# grow until one product takes longer than _CPU_STEP_S, so the whole measurement stays short
+# even where bf16 is emulated (there the small sizes already pass _CPU_STEP_S).
 _CPU_SIZES = (256, 512, 1024, 2048, 4096)
 _CPU_STEP_S = 0.25
 

@@ -300,8 +300,8 @@ class Trainer:
 
     def _hook_costs(self) -> budget.HookCosts:
         """One eval batch and one round of samples, timed; checkpoints estimated from size."""
-        # Untimed first: the first eval forward pays one-time set-up (measured ~10 s on a 2-core
-        # CPU against ~0.2 s per batch after it), which would count once per eval batch.
+        # Untimed first: the first eval forward pays one-time set-up (on a CPU many times a
+        # warm batch), which would otherwise be counted once per eval batch.
         self.run_eval(n_batches=1)
         t0 = budget.now()
         self.run_eval(n_batches=1)
