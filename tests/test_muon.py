@@ -18,6 +18,7 @@ from model import GPT
 from pipeline import checkpoint as ckpt
 from pipeline.distributed import DistInfo
 from pipeline.optim import build_optimizer
+from pipeline.safe_dcp import SafeFileSystemReader
 
 pytestmark = pytest.mark.dist
 
@@ -84,7 +85,7 @@ def test_fsdp_checkpoint_resumes_exactly_on_four_ranks(runs, tiny_data, tmp_path
 
 def momentum_buffers(ckpt_dir) -> dict[str, torch.Tensor]:
     """Every Muon momentum buffer of a checkpoint, whole, read in this one process."""
-    reader = ckpt.SafeFileSystemReader(ckpt_dir)
+    reader = SafeFileSystemReader(ckpt_dir)
     stored = reader.read_metadata().state_dict_metadata
     box = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in stored.items()
            if k.endswith("momentum_buffer")}
