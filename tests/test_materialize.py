@@ -10,7 +10,7 @@ import torch
 
 from bench.runs import ROOT, run
 from model import ModelConfig
-from pipeline.distributed import DistInfo
+from pipeline.distributed import DistInfo, distributed
 from pipeline.materialize import meta_gpt
 from pipeline.parallelize import Precision, parallelize
 
@@ -40,18 +40,24 @@ def test_fsdp_two_ranks_start_from_one_process_weights(tmp_path):
     assert not differ, differ
 
 
-def _probe(out: str) -> None:
+def _write_shards(info: DistInfo, out: str) -> None:
     from pipeline.checkpoint import full_model_state
 
-    torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank()
-    model = build("fsdp", DistInfo(rank, rank, 2, torch.device("cpu")))
+    model = build("fsdp", info)
     assert model.lm_head.weight is model.tok_emb.weight
     local_numel = sum(p.to_local().numel() for p in model.parameters())
     state = full_model_state(model)
-    if rank == 0:
+    if info.rank == 0:
         torch.save({**state, "local_numel": local_numel}, out)
-    torch.distributed.destroy_process_group()
+
+
+def _probe(out: str) -> None:
+    # The pipeline's own process-group lifetime: every rank waits for the others and the model
+    # is freed (it lives in _write_shards) before the group is destroyed. A rank tearing gloo
+    # down while rank 0 still wrote the file was seen to abort ("terminate called without an
+    # active exception").
+    with distributed("cpu") as info:
+        _write_shards(info, out)
 
 
 if __name__ == "__main__":
