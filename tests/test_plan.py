@@ -137,18 +137,23 @@ def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
 
 
 def _fsdp_probe() -> None:
-    """Under torchrun: shard SMALL with FSDP2 on gloo, one AdamW step, print this rank's bytes."""
+    """Under torchrun: shard SMALL with FSDP2 on gloo, one AdamW step, print this rank's bytes
+    (inside the pipeline's process-group lifetime, which frees the model before the group)."""
+    from pipeline.distributed import distributed
+
+    with distributed("cpu") as info:
+        _print_rank_bytes(info.rank)
+
+
+def _print_rank_bytes(rank: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = GPT(SMALL)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     print("PLAN " + json.dumps({"rank": rank, "real": real_state_bytes(model)}), flush=True)
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
