@@ -89,13 +89,18 @@ class CheckpointMeta:
     parent_step: int | None = None  # the step this process resumed from; None: started fresh
     world_size: int = 1  # ranks that wrote it
     bad_steps: int = 0  # consecutive non-finite steps so far
-    loader: dict[str, int] | None = None  # the loader's cursor; None in a final/ export
+    loader: dict | None = None  # the loader's state (pipeline.data); None in a final/ export
+    # The metrics record of this step as training logs it (val metrics aside). The last step's
+    # checkpoint is written before that record: a kill in between must not lose it (resume
+    # writes it back). Optional: checkpoints written without it still read.
+    record: dict | None = None
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "step": self.step,
                 "model": self.model.to_dict(), "config": config_to_dict(self.config),
                 "lineage": self.lineage, "parent_step": self.parent_step,
-                "world_size": self.world_size, "bad_steps": self.bad_steps, "loader": self.loader}
+                "world_size": self.world_size, "bad_steps": self.bad_steps, "loader": self.loader,
+                "record": self.record}
 
     @classmethod
     def from_json(cls, d: dict, where: Path) -> CheckpointMeta:
@@ -112,7 +117,7 @@ class CheckpointMeta:
                 step=int(d["step"]), model=ModelConfig.from_dict(d["model"]),
                 config=config_from_dict(d["config"]), lineage=str(d["lineage"]),
                 parent_step=d["parent_step"], world_size=int(d["world_size"]),
-                bad_steps=int(d["bad_steps"]), loader=d["loader"],
+                bad_steps=int(d["bad_steps"]), loader=d["loader"], record=d.get("record"),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as e:
             raise CheckpointError(

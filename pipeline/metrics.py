@@ -132,18 +132,20 @@ def _record_step(line: bytes) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def trim_metrics(path: Path, last_step: int) -> None:
+def trim_metrics(path: Path, last_step: int) -> int:
     """On resume, drop the records a crashed run wrote after the checkpoint it resumes from, and
-    the torn lines it may have left (logged): a partial line must not block every resume."""
+    the torn lines it may have left (logged): a partial line must not block every resume.
+    Returns the last step still recorded (0: none)."""
     if not path.is_file():
-        return
+        return 0
     lines = path.read_bytes().splitlines()
     steps = [_record_step(ln) for ln in lines]
     if torn := [i + 1 for i, step in enumerate(steps) if step is None]:
         get_logger().warning("%s: dropped %d torn line(s) (line %s), written by a run that stopped "
                     "mid-write", path, len(torn), ", ".join(map(str, torn)))
-    kept = [ln for ln, step in zip(lines, steps) if step is not None and step <= last_step]
-    path.write_bytes(b"".join(ln + b"\n" for ln in kept))
+    kept = [(ln, step) for ln, step in zip(lines, steps) if step is not None and step <= last_step]
+    path.write_bytes(b"".join(ln + b"\n" for ln, _ in kept))
+    return max((step for _, step in kept), default=0)
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -151,6 +151,7 @@ class Trainer:
                                          self.precision.dtype)
         self.checkpointer = Checkpointer(info, cfg.checkpoint.async_save)
         self.step, self.bad_steps = 0, 0
+        self.step_record: dict | None = None  # the last step's training record (see meta)
         self.lineage, self.parent_step = ckpt.new_lineage(), None
         if resume_meta is not None:
             self._resume(resume_from, resume_meta)
@@ -170,6 +171,7 @@ class Trainer:
         ckpt.load_training(where, self.parallel.module, self.optimizer, self.info)
         self.data.loader.load_state_dict(meta.loader)
         self.step, self.bad_steps = meta.step, meta.bad_steps
+        self.step_record = meta.record
         self.lineage, self.parent_step = meta.lineage, meta.step
         self.length.keep_fixed(meta.config)
         self._rebind(self.length.cfg)
@@ -181,12 +183,18 @@ class Trainer:
         if self.info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.run_dir)
-            trim_metrics(RunDir(self.run_dir).metrics, self.step)
+            recorded = trim_metrics(RunDir(self.run_dir).metrics, self.step)
             # Last: checkpoints move only once the resume has passed every check.
             if resumed_from is not None:  # newer checkpoints (a rollback) leave the line
                 ckpt.abandon_newer(self.run_dir, self.step, resumed_from)
-        return MetricsLogger(self.run_dir, config_to_dict(cfg), cfg.log.wandb,
-                             cfg.log.wandb_project, cfg.log.run_name, self.info.is_main)
+        metrics = MetricsLogger(self.run_dir, config_to_dict(cfg), cfg.log.wandb,
+                                cfg.log.wandb_project, cfg.log.run_name, self.info.is_main)
+        # Killed between the checkpoint and its step's record (the last step saves first): the
+        # record is in the checkpoint. Only that gap: a run directory holding a copied
+        # checkpoint and no history of its own stays without it.
+        if self.info.is_main and self.step_record and recorded == self.step - 1:
+            metrics.log(self.step, **self.step_record)
+        return metrics
 
     # ---- one optimizer step -----------------------------------------------------------------
 
@@ -273,6 +281,7 @@ class Trainer:
             step=self.step, model=self.model_cfg, config=self.cfg, lineage=self.lineage,
             parent_step=self.parent_step, world_size=self.info.world_size,
             bad_steps=self.bad_steps, loader=self.data.loader.state_dict() if with_loader else None,
+            record=self.step_record if with_loader else None,
         )
 
     def _guarded(self, what: str, hook):
@@ -370,6 +379,7 @@ class Trainer:
         if self.data.mixture:
             for name, c in self.data.loader.cursors.items():
                 record |= {f"tokens/{name}": c["tokens"], f"epoch/{name}": c["epoch"]}
+        self.step_record = dict(record)
         progress.update(self.step, loss, lr, tok_s, mfu)
         if self.bad_steps >= cfg.train.max_bad_steps:
             raise TrainingStopped(

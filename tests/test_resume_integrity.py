@@ -55,3 +55,26 @@ def test_a_failed_resume_moves_no_checkpoint(tiny_data, tmp_path, monkeypatch):
     trainer = Trainer(load_config(None, args_for(tiny_data, run_dir, "--checkpoint.resume", str(rollback))), CPU)
     assert trainer.step == 2 and [c.name for c in ckpt.list_complete(run_dir / "checkpoints")] == [
         ckpt.step_dir_name(2)]
+
+
+def test_a_kill_between_the_last_checkpoint_and_its_record_loses_no_record(tiny_data, tmp_path,
+                                                                           monkeypatch):
+    """The last step's checkpoint is written before its metrics record (weights first); a kill
+    in between left metrics.jsonl one step short for good. The checkpoint carries the record."""
+    reference = tmp_path / "reference"
+    Trainer(load_config(None, args_for(tiny_data, reference)), CPU).fit()
+    run_dir = tmp_path / "run"
+    killed = Trainer(load_config(None, args_for(tiny_data, run_dir)), CPU)
+
+    def dies(*_):  # the process ends right after the step-4 checkpoint is complete
+        raise SystemExit(137)
+
+    monkeypatch.setattr(killed, "export_final", dies)
+    with pytest.raises(SystemExit):
+        killed.fit()
+    killed.metrics.close()
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    assert ckpt.read_meta(run_dir / "checkpoints" / ckpt.step_dir_name(4)).record["loss"] > 0
+    monkeypatch.undo()
+    Trainer(load_config(None, args_for(tiny_data, run_dir, "--checkpoint.resume", "auto")), CPU).fit()
+    assert losses(run_dir) == losses(reference)
