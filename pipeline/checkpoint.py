@@ -90,9 +90,8 @@ class CheckpointMeta:
     world_size: int = 1  # ranks that wrote it
     bad_steps: int = 0  # consecutive non-finite steps so far
     loader: dict | None = None  # the loader's state (pipeline.data); None in a final/ export
-    # The metrics record of this step as training logs it (val metrics aside). The last step's
-    # checkpoint is written before that record: a kill in between must not lose it (resume
-    # writes it back). Optional: checkpoints written without it still read.
+    # The step's training record: the last step saves before logging it, so a kill in between
+    # loses nothing (resume writes it back). Optional: checkpoints without it still read.
     record: dict | None = None
 
     def to_json(self) -> dict:
