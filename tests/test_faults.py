@@ -11,7 +11,6 @@ import time
 import pytest
 
 from bench.runs import (
-    TINY_ARGS,
     kill_group,
     losses,
     run_args,
@@ -87,8 +86,10 @@ sys.exit(main(sys.argv[1:]))
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_one_current(tiny_data, tmp_path):
     run_dir = tmp_path / "r"
-    args = ["--data.path", str(tiny_data), "--log.out_dir", str(run_dir), *TINY_ARGS,
-            "--train.max_steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "1"]
+    # Synchronous saves: the stall hooks dcp.save (tests/test_async_checkpoint.py kills a
+    # background write).
+    args = run_args(tiny_data, run_dir, "--train.max_steps", "6", "--checkpoint.every", "2",
+                    "--checkpoint.keep", "1", "--checkpoint.async_save", "false")
     proc = start([sys.executable, "-c", STALL_SAVE, *args])
     half_written = run_dir / "checkpoints" / "step_00000004.tmp"
     try:
