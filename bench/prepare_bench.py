@@ -1,9 +1,11 @@
 """Benchmark `lmforge prepare` (launch.prepare.main in a child process) on builtin:pystdlib.
 
-1. Throughput: tokens/s of a full prepare (subprocess: startup, reading, hashing, encoding,
-   writing, checksums) against the upper bound measured in this same run -- tiktoken's
+1. Throughput: tokens/s of a full `lmforge prepare` (subprocess: startup, reading, hashing,
+   encoding, writing, checksums) against the upper bound measured in this same run -- tiktoken's
    `encode_ordinary_batch` over the same documents already in memory, same thread count.
-   Target ratio >= 0.8.
+   Target ratio >= 0.8 (steady state: minus the fixed cost of a 1-document prepare).
+   Then where a prepare's time goes, in process: the main thread's CPU (reading, hashing,
+   batching, writing) and each encode worker's busy time, against the run's wall time.
 2. Memory: peak RSS of prepare on the corpus and on the corpus twice (as .txt symlinks, same code
    path). Target: flat (ratio ~1.0). Run with --rss-shard-tokens so shards close during the run;
    peak RSS is bounded by the shard size, not by the corpus.
@@ -25,13 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import GPT2_VOCAB, ROOT
+from bench.common import GPT2_VOCAB, ROOT, header
 from data_prep.sources import Source, pystdlib_files
 from data_prep.tokenizer import CL100K_PATTERN, load_tokenizer
 
-# Runs prepare in a child and prints its own peak RSS (ru_maxrss is KiB on Linux).
-CHILD = ("import resource, sys; from launch.prepare import main; rc = main(sys.argv[1:]); "
-         "print('RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+# Runs prepare in a child through the CLI's entry point (what `lmforge prepare` runs, imports
+# included) and prints its own peak RSS: VmHWM, the high-water mark of the address space exec
+# made (ru_maxrss would not do: Linux carries it across exec from the forked bench, which holds
+# the corpus in memory).
+CHILD = ("import sys; from launch.cli import main; rc = main(['prepare', *sys.argv[1:]]); "
+         "print('RSS_KIB', next(l.split()[1] for l in open('/proc/self/status') "
+         "if l.startswith('VmHWM'))); sys.exit(rc)")
 
 
 def run_prepare(out: Path, source: str, tokenizer: str, workers: int,
@@ -75,6 +81,38 @@ def bench_throughput(tokenizer: str, workers: int, reps: int, tmp: Path) -> None
     steady = n_tok / (best_dt - fixed)
     print(f"fixed cost of a 1-document prepare (startup, tokenizer load/save): {fixed:.2f} s")
     print(f"steady-state ratio (prepare time minus that fixed cost): {steady / best_ref:.2f}")
+
+
+def bench_stages(tokenizer: str, workers: int, reps: int, tmp: Path) -> None:
+    """Where one in-process prepare's time goes: the encode workers' busy and CPU seconds (each
+    pool task timed) and the main thread's CPU, against the run's wall time."""
+    import threading
+
+    import data_prep.prepare as prep
+    from launch.cli import main as cli
+
+    encode_batch, busy = prep.encode_batch, {}
+
+    def timed(*args):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        result = encode_batch(*args)
+        cpu, wall = busy.get(threading.get_ident(), (0.0, 0.0))
+        busy[threading.get_ident()] = (cpu + time.thread_time() - c0, wall + time.perf_counter() - t0)
+        return result
+
+    prep.encode_batch = timed  # the pipeline looks it up at run time
+    try:
+        for i in range(reps):
+            busy.clear()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            cli(["prepare", "--source", "builtin:pystdlib", "--tokenizer", tokenizer, "--out",
+                 str(tmp / f"stages{i}"), "--workers", str(workers), "--quiet"])
+            wall, main_cpu = time.perf_counter() - t0, time.thread_time() - c0
+            work = ", ".join(f"{w:.2f} s busy / {c:.2f} s CPU" for c, w in busy.values())
+            print(f"in process, run {i}: wall {wall:.2f} s; main thread CPU {main_cpu:.2f} s "
+                  f"(read, hash, batch, write, tokenizer); encode workers: {work}")
+    finally:
+        prep.encode_batch = encode_batch
 
 
 def bench_rss(tokenizer: str, workers: int, shard_tokens: int, tmp: Path) -> None:
@@ -157,8 +195,10 @@ def main() -> None:
     p.add_argument("--bpe-vocab", type=int, default=4096)
     p.add_argument("--bpe-sample-chars", type=int, default=10_000_000)
     args = p.parse_args()
+    print(header(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         bench_throughput(args.tokenizer, args.workers, args.reps, Path(tmp))
+        bench_stages(args.tokenizer, args.workers, args.reps, Path(tmp))
         bench_rss(args.tokenizer, args.workers, args.rss_shard_tokens, Path(tmp))
     if args.bpe:
         bench_bpe(args.bpe_vocab, args.bpe_sample_chars)

@@ -18,6 +18,7 @@ counted in `Source.replaced`.
 from __future__ import annotations
 
 import bz2
+import functools
 import glob
 import gzip
 import io
@@ -173,8 +174,10 @@ def _supported(path: Path) -> bool:
     return _kind(path) in TEXT_EXTS or (path.suffix in TABLE_EXTS)
 
 
-def pystdlib_files() -> list[Path]:
-    """The standard library's .py files, sorted by path relative to the stdlib root."""
+@functools.lru_cache(maxsize=1)
+def pystdlib_files() -> tuple[Path, ...]:
+    """The standard library's .py files, sorted by path relative to the stdlib root (listed once
+    a process: prepare walks the source up to three times)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
     files = []
@@ -183,7 +186,7 @@ def pystdlib_files() -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in skip]
         files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def local_files(spec: str) -> list[Path]:

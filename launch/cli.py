@@ -45,8 +45,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that mean 'the user asked for something wrong', not 'a bug'."""
     from data_prep.errors import DataError
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.config import ConfigError
+    from pipeline.errors import CheckpointError
+    from pipeline.typed_config import ConfigError
 
     return (DataError, CheckpointError, ConfigError)
 

@@ -34,10 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete, from another format version, or from another model."""
-
+from pipeline.errors import CheckpointError
 
 STORAGE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 # The only non-tensor entries lmforge writes: each optimizer param group's settings (lr, betas,
