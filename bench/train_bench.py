@@ -63,6 +63,7 @@ class Run:
     seq_len: int = 256
     d_mlp: int = 688
     profile: bool = True  # time a profiled step's matmuls after the timed ones
+    loss_chunk: int | None = None  # lmforge: tokens per loss chunk (0: full logits; None: its own)
 
 
 FULL = dict(d_model=256, n_layer=4, n_head=4, seq_len=256, d_mlp=688)
@@ -75,11 +76,12 @@ SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 
 
 def build_lmforge(r: Run, device):
-
     from model import GPT, ModelConfig
+    from model.model import cross_entropy
     from pipeline.config import OptimConfig
     from pipeline.distributed import DistInfo
     from pipeline.hardware import DTYPES
+    from pipeline.loss import select_loss
     from pipeline.optim import build_optimizer
     from pipeline.parallelize import Precision, parallelize
 
@@ -90,6 +92,9 @@ def build_lmforge(r: Run, device):
     precision = Precision(DTYPES[r.dtype], device)
     pm = parallelize(model, info, parallel="none", precision=precision,
                      compile_model=r.compiled, activation_checkpointing=False)
+    if r.loss_chunk is not None:  # bench.loss_chunk's alternatives
+        pm = replace(pm, head_loss=select_loss(r.compiled, True, r.loss_chunk) if r.loss_chunk
+                     else cross_entropy)
     return model, pm.loss, build_optimizer(pm.module, OptimConfig(), device)  # the pipeline's loss
 
 

@@ -112,7 +112,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     fused: Literal["auto", "on", "off"] = "auto"
-    """Fused AdamW kernel; auto = on where the device supports it."""
+    """Fused AdamW kernel (one pass per parameter); auto = on CUDA and CPU, where torch has it."""
     muon_lr: float = 0.02
     """muon: peak lr of the block matrices, scaled by sqrt(max(1, rows/cols)) per matrix (torch's
     default); 0.02 as in Keller Jordan's Muon, modded-nanogpt and nanochat."""

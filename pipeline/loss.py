@@ -31,19 +31,27 @@ import torch
 
 HeadLoss = Callable[..., torch.Tensor]
 
-# A chunk's fp32 logits stay within 2^23 elements (32 MiB): memory O(chunk x V) whatever the
-# batch, and a chunk still hundreds of tokens tall at small vocabularies, so its matmuls run at
-# full rate.
-LOSS_CHUNK_ELEMS = 2**23
+# Logits elements per chunk. Eager, a chunk holds two fp32 C x V buffers (logits and
+# log-probabilities): 2^23 elements, 32 MiB each, keeps memory O(chunk x V) whatever the batch,
+# with chunks still hundreds of tokens tall at small vocabularies, so their matmuls run at full
+# rate. Compiled, inductor fuses the fp32 work into the passes over the logits and their
+# gradient, and taller chunks (fewer gradient accumulations into the V x D fp32 sum) ran faster
+# and lighter (bench/results/loss_chunk_*.txt).
+EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS = 2**23, 2**25
 
 # oneDNN's linear as a chunk's fp32 logits kernel on CPU (None where this torch has no oneDNN).
 _ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
                   if torch.backends.mkldnn.is_available() else None)
 
 
-def chunk_tokens(padded_vocab: int) -> int:
-    """Tokens per chunk of the loss at this (padded) vocabulary: LOSS_CHUNK_ELEMS // V."""
-    return max(1, LOSS_CHUNK_ELEMS // padded_vocab)
+def chunk_tokens(padded_vocab: int, n_tokens: int | None = None,
+                 elems: int = EAGER_CHUNK_ELEMS) -> int:
+    """Tokens per chunk of the loss: at most elems // V and, given the number of tokens, the
+    chunks as even as that allows (no short last chunk: one more matmul shape, a wasted pass)."""
+    most = max(1, elems // padded_vocab)
+    if not n_tokens:
+        return most
+    return -(-n_tokens // -(-n_tokens // most))
 
 
 def compute_operands(h_BTD: torch.Tensor, w_VD: torch.Tensor):
@@ -159,12 +167,13 @@ class _Chunked(torch.autograd.Function):
         return grad_h_ND * grad_loss, grad_w_VD * grad_loss, None, None, None, None, None, None
 
 
-def _chunked_loss(body, h_BTD, w_VD, targets_BT, vocab_size, reduction, ignore_index, chunk):
+def _chunked_loss(body, h_BTD, w_VD, targets_BT, vocab_size, reduction, ignore_index, chunk,
+                  elems):
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     h_BTD, w_VD = compute_operands(h_BTD, w_VD)
     h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
-    chunk = chunk or chunk_tokens(w_VD.shape[0])
+    chunk = chunk or chunk_tokens(w_VD.shape[0], len(targets_N), elems)
     if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
         loss = _Chunked.apply(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk,
                               reduction == "none", body)
@@ -180,13 +189,14 @@ def _chunked_loss(body, h_BTD, w_VD, targets_BT, vocab_size, reduction, ignore_i
 
 @dataclass(frozen=True)
 class ChunkedLoss:
-    """The eager path. chunk: tokens per chunk (None: chunk_tokens of the head's vocabulary)."""
+    """The eager path. chunk: tokens per chunk (None: chunk_tokens of the head's vocabulary and
+    the batch's tokens, within EAGER_CHUNK_ELEMS)."""
 
     chunk: int | None = None
 
     def __call__(self, h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=-100):
         return _chunked_loss(_eager_body, h_BTD, w_VD, targets_BT, vocab_size, reduction,
-                             ignore_index, self.chunk)
+                             ignore_index, self.chunk, EAGER_CHUNK_ELEMS)
 
 
 EAGER_LOSS = ChunkedLoss()  # the default of what computes a loss without being told (eval)
@@ -194,13 +204,14 @@ EAGER_LOSS = ChunkedLoss()  # the default of what computes a loss without being 
 
 @dataclass(frozen=True)
 class FusedLoss:
-    """The path torch.compile fuses (same numbers as ChunkedLoss to fp32 rounding)."""
+    """The path torch.compile fuses (same numbers as ChunkedLoss to fp32 rounding); chunks within
+    FUSED_CHUNK_ELEMS."""
 
     chunk: int | None = None
 
     def __call__(self, h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=-100):
         return _chunked_loss(_fused_body, h_BTD, w_VD, targets_BT, vocab_size, reduction,
-                             ignore_index, self.chunk)
+                             ignore_index, self.chunk, FUSED_CHUNK_ELEMS)
 
 
 def select_loss(compiled: bool, compiled_with_model: bool, chunk: int | None = None) -> HeadLoss:

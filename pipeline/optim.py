@@ -49,6 +49,9 @@ def is_muon_matrix(name: str, param: nn.Parameter) -> bool:
     return param.requires_grad and ".blocks." in f".{name}" and param.ndim == 2
 
 
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
 def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     # Decay only matrices (linear weights, embeddings); norms' gains are 1-D and decaying them
     # towards zero only fights the normalisation.
@@ -60,7 +63,10 @@ def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "on"
+    # The fused kernel updates each parameter in one pass; foreach makes ~8 passes over the
+    # parameters and both moments, which is most of an optimizer step where matmuls are cheap
+    # (bench/results/adamw_step_*.txt). torch has it for CUDA and CPU tensors, DTensor included.
+    fused = device.type in FUSED_ADAMW_DEVICES if cfg.fused == "auto" else cfg.fused == "on"
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
     )

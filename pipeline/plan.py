@@ -29,7 +29,7 @@ from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, derive
 from pipeline.hardware import GPU_PEAKS, gpu_dtype  # the datasheet table, kept in one place
-from pipeline.loss import chunk_tokens
+from pipeline.loss import EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS, chunk_tokens
 from pipeline.materialize import meta_gpt
 from pipeline.optim import is_muon_matrix
 
@@ -120,11 +120,13 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
 
 
 def head_loss_bytes(model: GPT, tokens: int) -> int:
-    """What the LM-head loss of a micro-batch of `tokens` holds, and the head's fp32 gradient:
-    the loss runs by chunks of pipeline.loss.chunk_tokens, with two fp32 chunk x V buffers
-    (eager: logits and log-probabilities; compiled: the logits and their gradient)."""
+    """What the LM-head loss of a micro-batch of `tokens` holds at most, and the head's fp32
+    gradient: the loss runs by chunks (pipeline.loss.chunk_tokens), with two fp32 chunk x V
+    buffers (eager: logits and log-probabilities; compiled: the logits and their gradient, in
+    its taller chunks: the plan does not know whether the run compiles, so it takes those)."""
     V = model.cfg.padded_vocab_size
-    return 2 * FP32 * min(tokens, chunk_tokens(V)) * V + FP32 * V * model.cfg.d_model
+    chunk = chunk_tokens(V, tokens, max(EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS))
+    return 2 * FP32 * chunk * V + FP32 * V * model.cfg.d_model
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -128,9 +128,16 @@ def test_never_builds_the_full_logits_nor_their_gradient(reduction, path):
     assert seen_plain.numel >= B * T * V_REAL
 
 
-def test_chunk_size_follows_the_vocabulary():
-    """Unset, a chunk is LOSS_CHUNK_ELEMS // V tokens: at V 1,024 a 4x32 batch is one chunk."""
-    assert loss_module.chunk_tokens(50304) == 2**23 // 50304 and loss_module.chunk_tokens(2**30) == 1
+def test_chunk_size_follows_the_vocabulary_and_splits_evenly():
+    """Unset, a chunk is at most ELEMS // V tokens, the chunks as even as that allows (2,048
+    tokens at V 50,304 within 2^23: 13 chunks of <= 158, not 12 of 166 and one of 56); at V
+    1,024 a 4x32 batch is one chunk."""
+    most = loss_module.EAGER_CHUNK_ELEMS // 50304
+    assert loss_module.chunk_tokens(50304) == most and loss_module.chunk_tokens(2**30) == 1
+    chunk = loss_module.chunk_tokens(50304, 2048)
+    n_chunks = -(-2048 // chunk)
+    assert chunk <= most and n_chunks == -(-2048 // most) and 2048 - (n_chunks - 1) * chunk > chunk - n_chunks
+    assert loss_module.chunk_tokens(50304, 2048, loss_module.FUSED_CHUNK_ELEMS) == 512
     torch.manual_seed(0)
     model = GPT(tiny())
     idx_BT, targets_BT = batch(4, 32)

@@ -153,7 +153,10 @@ def _print_rank_bytes(rank: int) -> None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    print("PLAN " + json.dumps({"rank": rank, "real": real_state_bytes(model)}), flush=True)
+    # One write per line: print writes the text and its newline apart (unbuffered, as under
+    # PYTHONUNBUFFERED), so the two ranks' lines could interleave.
+    sys.stdout.write("PLAN " + json.dumps({"rank": rank, "real": real_state_bytes(model)}) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

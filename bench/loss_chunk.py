@@ -1,0 +1,59 @@
+"""The LM-head loss's chunk size, in the whole training step: lmforge (eager or compiled) at
+train_bench's shape A with chunks of several heights and with the full logits, tok/s and peak.
+
+    python -m bench.loss_chunk                        # compiled, 3 interleaved rounds
+    python -m bench.loss_chunk --eager --rounds 2
+
+Each configuration is train_bench's step (bf16 autocast where auto picks it, AdamW, clipping) in
+a fresh process, rounds interleaved; `default` is what the pipeline picks (pipeline.loss:
+ChunkedLoss within EAGER_CHUNK_ELEMS, FusedLoss within FUSED_CHUNK_ELEMS); `full` is the model's
+plain cross_entropy (the whole B x T x V logits). Peak is the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from dataclasses import replace
+
+import torch
+
+from bench.common import header
+from bench.train_bench import FULL, LIVE_RSS_ENV, SHAPES, Run, describe, measure
+from pipeline.hardware import dtype_name
+from pipeline.loss import chunk_tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--eager", action="store_true", help="time the eager step instead")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    args = p.parse_args()
+    print(header(), flush=True)
+    dtype, _, line = describe(torch.device("cpu"), "auto")
+    print(line, flush=True)
+    base = Run("lmforge", SHAPES["A"], not args.eager, "cpu", dtype_name(dtype),
+               steps=args.steps, profile=False, **FULL)
+    tokens, V = base.batch * base.seq_len, -(-base.vocab // 64) * 64
+    heights = {"default": None, **{f"chunk {chunk_tokens(V, tokens, 2**e)}": chunk_tokens(
+        V, tokens, 2**e) for e in (23, 25, 27)}, "full": 0}
+    env = {**os.environ, **LIVE_RSS_ENV}
+    res = {k: [] for k in heights}
+    for i in range(args.rounds):
+        for k, chunk in heights.items():
+            res[k].append(measure(replace(base, loss_chunk=chunk), env))
+            print(f"  [round {i} {k}: {res[k][-1]['tok_s']:.0f} tok/s]", flush=True)
+    print(f"{'compiled' if base.compiled else 'eager'} lmforge at A ({tokens} tokens x V {V}), "
+          f"{args.rounds} rounds x {args.steps} steps; peak RSS with {LIVE_RSS_ENV}")
+    ref = statistics.median(r["tok_s"] for r in res["default"])
+    for k, runs in res.items():
+        tok = [r["tok_s"] for r in runs]
+        print(f"  {k:11} tok/s {' / '.join(f'{t:.0f}' for t in tok):24} median "
+              f"{statistics.median(tok):6.0f} = {statistics.median(tok) / ref:.2f}x default; "
+              f"peak {statistics.median(r['peak_mb'] for r in runs):5.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
