@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -52,3 +53,26 @@ def emit(lines: list[str], out: Path | None) -> None:
     print(text)
     if out:
         out.write_text(text)
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def memory_mb(device: str, peak: bool) -> float:
+    """The process's memory now or at its peak: RSS on CPU (Linux), allocated tensors on CUDA
+    (torch is imported only then: prepare_bench's child reads its RSS without it)."""
+    if device.startswith("cuda"):
+        import torch
+
+        fn = torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated
+        return fn(device) / 2**20
+    # Not ru_maxrss: Linux carries it across exec, so a worker would report its parent's peak.
+    key = "VmHWM:" if peak else "VmRSS:"
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+
+def memory_kind(device: str) -> str:
+    """What memory_mb(device, peak=True) reads."""
+    return "torch.cuda.max_memory_allocated" if device.startswith("cuda") else "peak RSS"

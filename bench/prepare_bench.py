@@ -32,12 +32,11 @@ from data_prep.sources import Source, pystdlib_files
 from data_prep.tokenizer import CL100K_PATTERN, load_tokenizer
 
 # Runs prepare in a child through the CLI's entry point (what `lmforge prepare` runs, imports
-# included) and prints its own peak RSS: VmHWM, the high-water mark of the address space exec
-# made (ru_maxrss would not do: Linux carries it across exec from the forked bench, which holds
-# the corpus in memory).
-CHILD = ("import sys; from launch.cli import main; rc = main(['prepare', *sys.argv[1:]]); "
-         "print('RSS_KIB', next(l.split()[1] for l in open('/proc/self/status') "
-         "if l.startswith('VmHWM'))); sys.exit(rc)")
+# included) and prints its own peak RSS (bench.common.memory_mb: not ru_maxrss, which Linux
+# carries across exec from the forked bench, holding the corpus in memory).
+CHILD = ("import sys; from bench.common import memory_mb; from launch.cli import main; "
+         "rc = main(['prepare', *sys.argv[1:]]); print('RSS_KIB', int(memory_mb('cpu', True) * 1024)); "
+         "sys.exit(rc)")
 
 
 def run_prepare(out: Path, source: str, tokenizer: str, workers: int,

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 
 from bench import train_bench as tb
+from bench.common import minor_faults
 from bench.profile_ops import category, profile_steps
 
 
@@ -38,11 +39,11 @@ def main() -> None:
     one_step = tb.training_step(run)
     for _ in range(2):
         one_step()
-    faults0, t0 = tb.minor_faults(), time.perf_counter()
+    faults0, t0 = minor_faults(), time.perf_counter()
     for _ in range(a.steps):
         one_step()
     wall = (time.perf_counter() - t0) / a.steps
-    faults = (tb.minor_faults() - faults0) / a.steps
+    faults = (minor_faults() - faults0) / a.steps
     events = profile_steps(one_step, a.steps, str(device))
     total = sum(e.self_cpu_time_total for e in events) / a.steps
     by_cat = defaultdict(float)

@@ -120,6 +120,39 @@ def plot(curves: dict[str, list[list[tuple[int, float]]]], png: Path) -> None:
     plt.close(fig)
 
 
+def print_table(rows: list[dict], args, variants: dict, t0: float) -> None:
+    """One line per seed (the steps and seconds each optimizer took to AdamW's final val loss)
+    and the ratios' mean and spread."""
+    print(f"\nspeedrun: configs/tiny.toml model, {args.steps} steps x {args.batch_tokens} tokens, "
+          f"fp32, eval {args.eval_tokens} val tokens every {args.eval_every} steps; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          + ("reported from the runs in OUT" if args.report_only else
+             f"load {os.getloadavg()[0]:.1f}; total {time.perf_counter() - t0:.0f} s"))
+    print(f"muon overrides: {variants['muon']}")
+    print(f"{'seed':>6} {'target':>8} {'adamw step':>10} {'muon step':>9} {'muon final':>10} "
+          f"{'step ratio':>10} {'time ratio':>10} {'at median':>10}")
+    step_ratios, time_ratios, typical_ratios = [], [], []
+    for r in rows:
+        if r["muon"] is None:
+            print(f"{r['seed']:>6} {r['target']:>8.4f} {r['adamw']['step']:>10} {'never':>9} "
+                  f"{r['muon_final']:>10.4f}")
+            continue
+        step_ratios.append(r["muon"]["step"] / r["adamw"]["step"])
+        time_ratios.append(r["muon"]["seconds"] / r["adamw"]["seconds"])
+        typical_ratios.append(r["muon"]["typical_seconds"] / r["adamw"]["typical_seconds"])
+        print(f"{r['seed']:>6} {r['target']:>8.4f} {r['adamw']['step']:>10} {r['muon']['step']:>9} "
+              f"{r['muon_final']:>10.4f} {step_ratios[-1]:>10.3f} {time_ratios[-1]:>10.3f} "
+              f"{typical_ratios[-1]:>10.3f}  (median step {r['adamw']['median_step_s']:.2f} s "
+              f"adamw, {r['muon']['median_step_s']:.2f} s muon)")
+    if len(step_ratios) == len(rows):
+        print(f"muon / adamw to reach adamw's final val loss: steps (= tokens) {spread(step_ratios)}"
+              f", wall-clock {spread(time_ratios)} summed, {spread(typical_ratios)} at the median "
+              f"step time  (mean ± sd over {len(rows)} seeds; targets <= 0.7 and <= 0.8)")
+    else:
+        print(f"muon did not reach adamw's final val loss in {len(rows) - len(step_ratios)} of "
+              f"{len(rows)} seeds")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=ROOT / "runs" / "speedrun" / "data",
@@ -161,34 +194,7 @@ def main() -> int:
         rows.append({"seed": 1337 + i, "target": target, "adamw": ref, "muon": got,
                      "muon_final": [r for r in records["muon"][i] if "val_loss" in r][-1]["val_loss"]})
 
-    print(f"\nspeedrun: configs/tiny.toml model, {args.steps} steps x {args.batch_tokens} tokens, "
-          f"fp32, eval {args.eval_tokens} val tokens every {args.eval_every} steps; "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          + ("reported from the runs in OUT" if args.report_only else
-             f"load {os.getloadavg()[0]:.1f}; total {time.perf_counter() - t0:.0f} s"))
-    print(f"muon overrides: {variants['muon']}")
-    print(f"{'seed':>6} {'target':>8} {'adamw step':>10} {'muon step':>9} {'muon final':>10} "
-          f"{'step ratio':>10} {'time ratio':>10} {'at median':>10}")
-    step_ratios, time_ratios, typical_ratios = [], [], []
-    for r in rows:
-        if r["muon"] is None:
-            print(f"{r['seed']:>6} {r['target']:>8.4f} {r['adamw']['step']:>10} {'never':>9} "
-                  f"{r['muon_final']:>10.4f}")
-            continue
-        step_ratios.append(r["muon"]["step"] / r["adamw"]["step"])
-        time_ratios.append(r["muon"]["seconds"] / r["adamw"]["seconds"])
-        typical_ratios.append(r["muon"]["typical_seconds"] / r["adamw"]["typical_seconds"])
-        print(f"{r['seed']:>6} {r['target']:>8.4f} {r['adamw']['step']:>10} {r['muon']['step']:>9} "
-              f"{r['muon_final']:>10.4f} {step_ratios[-1]:>10.3f} {time_ratios[-1]:>10.3f} "
-              f"{typical_ratios[-1]:>10.3f}  (median step {r['adamw']['median_step_s']:.2f} s "
-              f"adamw, {r['muon']['median_step_s']:.2f} s muon)")
-    if len(step_ratios) == len(rows):
-        print(f"muon / adamw to reach adamw's final val loss: steps (= tokens) {spread(step_ratios)}"
-              f", wall-clock {spread(time_ratios)} summed, {spread(typical_ratios)} at the median "
-              f"step time  (mean ± sd over {len(rows)} seeds; targets <= 0.7 and <= 0.8)")
-    else:
-        print(f"muon did not reach adamw's final val loss in {len(rows) - len(step_ratios)} of "
-              f"{len(rows)} seeds")
+    print_table(rows, args, variants, t0)
     curves = {name: [[(r["step"], r["val_loss"]) for r in recs if "val_loss" in r] for recs in runs]
               for name, runs in records.items()}
     plot(curves, args.out / "speedrun.png")

@@ -1,18 +1,15 @@
-"""Training throughput and memory: lmforge (eager, compiled) vs a GPT-2-style reference and
-transformers' LlamaForCausalLM, at two shapes (a GPT-2-size vocabulary, where the head
-dominates, and a small one), in the dtype train.dtype=auto picks on the device.
+"""Training throughput and memory: lmforge (eager, compiled) vs a GPT-2-style reference and HF's
+LlamaForCausalLM, at two shapes (a GPT-2-size vocabulary, where the head dominates, and a small
+one), in the dtype train.dtype=auto picks on the device.
 
     python -m bench.train_bench               # 2 rounds, both shapes, memory (~25 min, 2 cores)
     python -m bench.train_bench --quick       # shape B only, 1 round, few steps
-    python -m bench.train_bench --shapes B --rounds 4 --no-memory    # one shape, more rounds
     python -m bench.train_bench --device cuda --shapes A --rounds 1 --no-memory   # gpu_check.sh
     python -m bench.train_bench --smoke       # tiny shapes, eager only: the code path (a test)
 
-Every configuration runs in a fresh process (its peak memory is its own; its compile warm from
-inductor's on-disk cache after the first time: a cold compile is measured apart, once per shape),
-configurations interleaved round after round:
-on a noisy machine only ratios measured in the same run mean anything, and the spread shows
-how much. A training step is the same for all: forward + mean cross-entropy (under bf16 autocast
+Every configuration runs in a fresh process (its peak memory its own, its compile warm from
+inductor's disk cache: a cold compile is measured apart), interleaved round after round: on a
+noisy machine only ratios measured in the same run mean anything, and the spread shows how much. A training step is the same for all: forward + mean cross-entropy (under bf16 autocast
 when the dtype is bf16), backward, gradient clipping at 1.0, AdamW. lmforge's step is the
 pipeline's (parallelize and its loss, ParallelModel.loss: eager, pipeline.loss.ChunkedLoss;
 compiled, the forward with FusedLoss in its graph); the references are compiled whole (model +
@@ -21,10 +18,9 @@ RSS on CPU, torch.cuda.max_memory_allocated on CUDA. `faults` is the minor page 
 (a fresh big tensor costs one per 4 KiB on CPU). `mm ms` is a step's matmul time from the
 profiler (PROFILED_STEPS profiled steps after the timed ones), `other` the rest of the
 unprofiled step: what fusion can cut. Each shape ends with the issue's targets, ok or MISSED
-(bf16-native ones where the dtype is bf16, else an fp32 CPU's no-regression ones). Then: the cold
-compile (CPU: what train.compile=auto weighs), and memory at shape A (peak at batch 1 and 8, the
-largest micro-batch lmforge fits in HF's peak, searched). bench/profile_step.py shows where a
-step's time goes.
+(bf16-native ones where the dtype is bf16, else an fp32 CPU's no-regression ones). Then the cold
+compile (what train.compile=auto weighs) and memory at shape A (peak at batch 1 and 8, the
+largest micro-batch lmforge fits in HF's peak). bench/profile_step.py: where a step's time goes.
 
 Same FLOPs everywhere: lmforge's SwiGLU MLP with d_mlp 688 (3 matrices) = GPT-2's 4d GELU MLP
 (2 matrices of 1024); the head is D x 50,304 (shape A, GPT-2 vocabulary padded) or 4,096 (B).
@@ -35,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -43,7 +38,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-from bench.common import ROOT, machine
+from bench.common import ROOT, machine, memory_kind, memory_mb, minor_faults
 
 
 @dataclass(frozen=True)
@@ -193,28 +188,6 @@ def training_step(r: Run):
     return one_step
 
 
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def memory_mb(device: str, peak: bool) -> float:
-    """The process's memory now or at its peak: RSS on CPU (Linux), allocated tensors on CUDA."""
-    import torch
-
-    if device.startswith("cuda"):
-        fn = torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated
-        return fn(device) / 2**20
-    # Not ru_maxrss: Linux carries it across exec, so a worker would report its parent's peak.
-    key = "VmHWM:" if peak else "VmRSS:"
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
-
-
-def memory_kind(device: str) -> str:
-    """What memory_mb(device, peak=True) reads."""
-    return "torch.cuda.max_memory_allocated" if device.startswith("cuda") else "peak RSS"
-
-
 def worker(r: Run) -> dict:
     from bench.profile_ops import matmul_ms
 
@@ -322,12 +295,7 @@ def describe(device, dtype_arg: str):
     """(the dtype every implementation computes in, one line saying on what and why)."""
     import torch
 
-    from pipeline.hardware import (
-        DTYPES,
-        auto_dtype,
-        dtype_name,
-        matmul_peak,
-    )
+    from pipeline.hardware import DTYPES, auto_dtype, dtype_name, matmul_peak
 
     dtype, why = auto_dtype(device) if dtype_arg == "auto" else (DTYPES[dtype_arg], "as requested")
     peak = matmul_peak(device, dtype)
@@ -377,6 +345,37 @@ def summary(s: str, med: dict, peak_mb: dict, res: dict, mfu: dict, native: bool
     return out
 
 
+def table(shapes: dict[str, int], impls, res: dict, base: Run, peak: float | None, dtype) -> list[str]:
+    """Print one row per shape and configuration; return the targets' lines."""
+    import torch
+
+    from model import GPT, ModelConfig
+
+    print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'median':>7} {'MFU':>6} "
+          f"{'peak MB':>7} {'faults':>7} {'mm ms':>6} {'other':>6} {'1st step':>8}")
+    lines = []
+    for s, vocab in shapes.items():
+        cfg = ModelConfig(vocab_size=vocab, n_layer=base.n_layer, n_head=base.n_head,
+                          d_model=base.d_model, d_mlp=base.d_mlp, max_seq_len=base.seq_len)
+        with torch.device("meta"):
+            fpt = GPT(cfg).flops_per_token(base.seq_len)
+        here = {k[1:]: v for k, v in res.items() if k[0] == s}
+        med = {k: statistics.median(r["tok_s"] for r in v) for k, v in here.items()}
+        mem = {k: max(r["peak_mb"] for r in v) for k, v in here.items()}
+        mfu = {k: fpt * med[k] / peak if peak else None for k in here}
+        for impl, comp in impls:
+            runs = here[impl, comp]
+            per_round = " / ".join(f"{r['tok_s']:.0f}" for r in runs)
+            print(f"{s:5} {name(impl, comp):18} {per_round:>22} {med[impl, comp]:7.0f} "
+                  f"{pct(mfu[impl, comp])} {mem[impl, comp]:7.0f} "
+                  f"{statistics.median(r['faults_per_step'] for r in runs):7.0f} "
+                  f"{statistics.median(r['matmul_ms'] for r in runs):6.0f} "
+                  f"{statistics.median(r['non_matmul_ms'] for r in runs):6.0f} "
+                  f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s")
+        lines += summary(s, med, mem, here, mfu, native=dtype == torch.bfloat16)
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -396,7 +395,6 @@ def main() -> None:
 
     import torch
 
-    from model import GPT, ModelConfig
     from pipeline.hardware import dtype_name, matmul_peak
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -426,29 +424,7 @@ def main() -> None:
         print(f"{dtype_name(dtype)} matmul peak measured again after the rounds: {again / 1e9:,.0f} GFLOP/s; "
               f"MFU below is against {max(peak, again) / 1e9:,.0f}")
         peak = max(peak, again)
-    print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'median':>7} {'MFU':>6} "
-          f"{'peak MB':>7} {'faults':>7} {'mm ms':>6} {'other':>6} {'1st step':>8}")
-    lines = []
-    for s, vocab in shapes.items():
-        cfg = ModelConfig(vocab_size=vocab, n_layer=base.n_layer, n_head=base.n_head,
-                          d_model=base.d_model, d_mlp=base.d_mlp, max_seq_len=base.seq_len)
-        with torch.device("meta"):
-            fpt = GPT(cfg).flops_per_token(base.seq_len)
-        here = {k[1:]: v for k, v in res.items() if k[0] == s}
-        med = {k: statistics.median(r["tok_s"] for r in v) for k, v in here.items()}
-        mem = {k: max(r["peak_mb"] for r in v) for k, v in here.items()}
-        mfu = {k: fpt * med[k] / peak if peak else None for k in here}
-        for impl, comp in impls:
-            runs = here[impl, comp]
-            per_round = " / ".join(f"{r['tok_s']:.0f}" for r in runs)
-            print(f"{s:5} {name(impl, comp):18} {per_round:>22} {med[impl, comp]:7.0f} "
-                  f"{pct(mfu[impl, comp])} {mem[impl, comp]:7.0f} "
-                  f"{statistics.median(r['faults_per_step'] for r in runs):7.0f} "
-                  f"{statistics.median(r['matmul_ms'] for r in runs):6.0f} "
-                  f"{statistics.median(r['non_matmul_ms'] for r in runs):6.0f} "
-                  f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s")
-        lines += summary(s, med, mem, here, mfu, native=dtype == torch.bfloat16)
-    print("\n" + "\n".join(lines))
+    print("\n" + "\n".join(table(shapes, impls, res, base, peak, dtype)))
     if ("lmforge", True) in impls and device.type == "cpu" and not (a.quick or a.no_cold):
         cold_compile(shapes, base, res)
     if "A" in shapes and not (a.quick or a.no_memory):
