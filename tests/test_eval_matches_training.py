@@ -31,7 +31,10 @@ def trained(data, out, nproc=1, *extra):
 def evaluated(data, run_dir, *extra) -> tuple[float, str]:
     out = lmforge("eval", "--ckpt", run_dir, "--data", data, "--max-tokens", 512,
                   "--json", run_dir / "eval.json", *extra)
-    dtype_line = next(ln for ln in out.splitlines() if ln.startswith("dtype"))
+    # eval's own line, "dtype NAME (why)...": not the warning a forced-emulated bf16 CPU adds
+    # ("dtype bf16 on a CPU without native bf16 ...").
+    dtype_line = next(ln for ln in out.splitlines()
+                      if ln.startswith("dtype ") and ln.split()[2].startswith("("))
     return json.loads((run_dir / "eval.json").read_text())["loss"], dtype_line
 
 
