@@ -3,6 +3,7 @@ train_bench's shape A with chunks of several heights and with the full logits, t
 
     python -m bench.loss_chunk                        # compiled, 3 interleaved rounds
     python -m bench.loss_chunk --eager --rounds 2
+    python -m bench.loss_chunk --dtype fp32            # where auto picks bf16: fp32's regime
 
 Each configuration is train_bench's step (bf16 autocast where auto picks it, AdamW, clipping) in
 a fresh process, rounds interleaved; `default` is what the pipeline picks (pipeline.loss:
@@ -30,9 +31,10 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="time the eager step instead")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     args = p.parse_args()
     print(header(), flush=True)
-    dtype, _, line = describe(torch.device("cpu"), "auto")
+    dtype, _, line = describe(torch.device("cpu"), args.dtype)
     print(line, flush=True)
     base = Run("lmforge", SHAPES["A"], not args.eager, "cpu", dtype_name(dtype),
                steps=args.steps, profile=False, **FULL)
