@@ -20,18 +20,15 @@ import time
 import torch
 
 from bench.common import header
-from bench.train_bench import FULL, SHAPES
-from model import GPT, ModelConfig
+from bench.train_bench import FULL, SHAPES, Run
+from model import GPT
 from pipeline.config import OptimConfig
 from pipeline.optim import build_optimizer
 
 
 def one_shape(vocab: int, rounds: int) -> str:
-    cfg = ModelConfig(vocab_size=vocab, n_layer=FULL["n_layer"], n_head=FULL["n_head"],
-                      n_kv_head=FULL["n_head"], d_model=FULL["d_model"], d_mlp=FULL["d_mlp"],
-                      max_seq_len=FULL["seq_len"])
     torch.manual_seed(0)
-    models = {"foreach": GPT(cfg)}
+    models = {"foreach": GPT(Run("lmforge", vocab, False, "cpu", "fp32", **FULL).model_config())}
     models["fused"] = copy.deepcopy(models["foreach"])
     opts = {}
     for kind, model in models.items():

@@ -38,9 +38,9 @@ def main() -> None:
     print(line, flush=True)
     base = Run("lmforge", SHAPES["A"], not args.eager, "cpu", dtype_name(dtype),
                steps=args.steps, profile=False, **FULL)
-    tokens, V = base.batch * base.seq_len, -(-base.vocab // 64) * 64
-    heights = {"default": None, **{f"chunk {chunk_tokens(V, tokens, 2**e)}": chunk_tokens(
-        V, tokens, 2**e) for e in (23, 25, 27)}, "full": 0}
+    tokens, V = base.batch * base.seq_len, base.model_config().padded_vocab_size
+    chunks = [chunk_tokens(V, tokens, 2**e) for e in (23, 25, 27)]
+    heights = {"default": None, **{f"chunk {c}": c for c in chunks}, "full": 0}
     env = {**os.environ, **LIVE_RSS_ENV}
     res = {k: [] for k in heights}
     for i in range(args.rounds):

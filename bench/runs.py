@@ -146,14 +146,20 @@ def max_diff(a: dict[int, float], b: dict[int, float], steps=None) -> float:
     return max(abs(a[s] - b[s]) for s in steps)
 
 
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:
-    """Poll metrics.jsonl until `step` is reached; returns the last step seen."""
+def wait_until(done, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    """Poll `done()` every 5 ms until it is true; AssertionError (with the run's output) when
+    `proc` ends first, or after `timeout` seconds."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        seen = max(losses(run_dir), default=0)
-        if seen >= step:
-            return seen
+        if done():
+            return
         if proc.poll() is not None:
-            raise AssertionError(f"run ended (exit {proc.returncode}) before step {step}:\n{proc.stdout.read()[-3000:]}")
+            raise AssertionError(f"run ended (exit {proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
         time.sleep(0.005)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:
+    """Poll metrics.jsonl until `step` is reached; returns the last step seen."""
+    wait_until(lambda: max(losses(run_dir), default=0) >= step, proc, f"step {step}", timeout)
+    return max(losses(run_dir))

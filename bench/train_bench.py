@@ -60,6 +60,14 @@ class Run:
     profile: bool = True  # time a profiled step's matmuls after the timed ones
     loss_chunk: int | None = None  # lmforge: tokens per loss chunk (0: full logits; None: its own)
 
+    def model_config(self):
+        """lmforge's model at this run's shape (every head its own K/V head, as the peers')."""
+        from model import ModelConfig
+
+        return ModelConfig(vocab_size=self.vocab, n_layer=self.n_layer, n_head=self.n_head,
+                           n_kv_head=self.n_head, d_model=self.d_model, d_mlp=self.d_mlp,
+                           max_seq_len=self.seq_len)
+
 
 FULL = dict(d_model=256, n_layer=4, n_head=4, seq_len=256, d_mlp=688)
 SMOKE = dict(d_model=64, n_layer=2, n_head=4, seq_len=64, d_mlp=172)
@@ -71,7 +79,7 @@ SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 
 
 def build_lmforge(r: Run, device):
-    from model import GPT, ModelConfig
+    from model import GPT
     from model.model import cross_entropy
     from pipeline.config import OptimConfig
     from pipeline.distributed import DistInfo
@@ -81,9 +89,7 @@ def build_lmforge(r: Run, device):
     from pipeline.parallelize import Precision, parallelize
 
     info = DistInfo(0, 0, 1, device)
-    model = GPT(ModelConfig(vocab_size=r.vocab, n_layer=r.n_layer, n_head=r.n_head,
-                            n_kv_head=r.n_head, d_model=r.d_model, d_mlp=r.d_mlp,
-                            max_seq_len=r.seq_len)).to(device)
+    model = GPT(r.model_config()).to(device)
     precision = Precision(DTYPES[r.dtype], device)
     pm = parallelize(model, info, parallel="none", precision=precision,
                      compile_model=r.compiled, activation_checkpointing=False)
@@ -349,16 +355,14 @@ def table(shapes: dict[str, int], impls, res: dict, base: Run, peak: float | Non
     """Print one row per shape and configuration; return the targets' lines."""
     import torch
 
-    from model import GPT, ModelConfig
+    from model import GPT
 
     print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'median':>7} {'MFU':>6} "
           f"{'peak MB':>7} {'faults':>7} {'mm ms':>6} {'other':>6} {'1st step':>8}")
     lines = []
     for s, vocab in shapes.items():
-        cfg = ModelConfig(vocab_size=vocab, n_layer=base.n_layer, n_head=base.n_head,
-                          d_model=base.d_model, d_mlp=base.d_mlp, max_seq_len=base.seq_len)
         with torch.device("meta"):
-            fpt = GPT(cfg).flops_per_token(base.seq_len)
+            fpt = GPT(replace(base, vocab=vocab).model_config()).flops_per_token(base.seq_len)
         here = {k[1:]: v for k, v in res.items() if k[0] == s}
         med = {k: statistics.median(r["tok_s"] for r in v) for k, v in here.items()}
         mem = {k: max(r["peak_mb"] for r in v) for k, v in here.items()}

@@ -18,6 +18,7 @@ from bench.runs import (
     train,
     train_cmd,
     wait_for_step,
+    wait_until,
 )
 from pipeline import checkpoint as ckpt
 
@@ -93,11 +94,7 @@ def test_checkpoint_write_killed_midway_leaves_the_previous_one_current(tiny_dat
     proc = start([sys.executable, "-c", STALL_SAVE, *args])
     half_written = run_dir / "checkpoints" / "step_00000004.tmp"
     try:
-        deadline = time.time() + 180
-        while not (half_written / ".metadata").is_file():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.time() < deadline, "the step-4 save never started"
-            time.sleep(0.01)
+        wait_until((half_written / ".metadata").is_file, proc, "the step-4 save")
     finally:
         kill_group(proc, signal.SIGKILL)
         proc.communicate()

@@ -8,7 +8,6 @@ import json
 import math
 import shutil
 import signal
-import time
 from collections import Counter
 
 import numpy as np
@@ -22,6 +21,7 @@ from bench.runs import (
     train,
     train_cmd,
     wait_for_step,
+    wait_until,
 )
 from data_prep.shards import (
     FORMAT_VERSION,
@@ -146,9 +146,7 @@ def test_two_processes_equal_one_and_kill_resume_on_another_world_size(tiny_data
         wait_for_step(proc, killed, 6)
         # checkpoint.async_save may still be writing step 4's checkpoint two steps later (seen
         # on a loaded machine): kill once one is complete, whichever step it is.
-        deadline = time.time() + 120
-        while not ckpt.list_complete(killed / "checkpoints") and time.time() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: ckpt.list_complete(killed / "checkpoints"), proc, "a complete checkpoint")
     finally:
         kill_group(proc, signal.SIGKILL)
         proc.communicate()
