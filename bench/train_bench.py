@@ -59,6 +59,7 @@ class Run:
     d_mlp: int = 688
     profile: bool = True  # time a profiled step's matmuls after the timed ones
     loss_chunk: int | None = None  # lmforge: tokens per loss chunk (0: full logits; None: its own)
+    attention: str = "auto"  # lmforge: train.attention (main() resolves auto once per shape)
 
     def model_config(self):
         """lmforge's model at this run's shape (every head its own K/V head, as the peers')."""
@@ -81,6 +82,7 @@ SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 def build_lmforge(r: Run, device):
     from model import GPT
     from model.model import cross_entropy
+    from pipeline import attention
     from pipeline.config import OptimConfig
     from pipeline.distributed import DistInfo
     from pipeline.hardware import DTYPES
@@ -91,8 +93,9 @@ def build_lmforge(r: Run, device):
     info = DistInfo(0, 0, 1, device)
     model = GPT(r.model_config()).to(device)
     precision = Precision(DTYPES[r.dtype], device)
-    pm = parallelize(model, info, parallel="none", precision=precision,
-                     compile_model=r.compiled, activation_checkpointing=False)
+    choice = attention.resolve(r.attention, model.cfg, r.batch, r.seq_len, precision.dtype, info)
+    pm = parallelize(model, info, parallel="none", precision=precision, compile_model=r.compiled,
+                     activation_checkpointing=False, attend=attention.kernel(choice))
     if r.loss_chunk is not None:  # bench.loss_chunk's alternatives
         pm = replace(pm, head_loss=select_loss(r.compiled, True, r.loss_chunk) if r.loss_chunk
                      else cross_entropy)
@@ -399,6 +402,7 @@ def main() -> None:
 
     import torch
 
+    from pipeline import attention
     from pipeline.hardware import dtype_name, matmul_peak
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -410,6 +414,10 @@ def main() -> None:
     rounds, steps = (1, 2) if a.smoke else (1, 3) if a.quick else (a.rounds, a.steps)
     base = Run("lmforge", 0, False, str(device), dtype_name(dtype), steps, **dims)
     print(line)
+    # The attention's shape does not depend on V: one choice for every lmforge run.
+    choice, why = attention.choose(base.model_config(), base.batch, base.seq_len, dtype, device)
+    base = replace(base, attention=choice)
+    print(f"lmforge's train.attention = auto -> {why}")
     print(f"d_model {base.d_model}, {base.n_layer} layers, {base.n_head} heads, T {base.seq_len}, "
           f"batch {base.batch}; {rounds} interleaved rounds x {steps} steps after 2 warm-up steps "
           f"(median step per run); memory: {memory_kind(base.device)}\n")

@@ -23,6 +23,7 @@ from data_prep.errors import DataError
 from data_prep.shards import SPLITS, load_manifest
 from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_byte_lengths
 from launch.cli import ArgumentParser
+from pipeline import attention
 from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.distributed import DistInfo, distributed
@@ -101,7 +102,8 @@ def evaluate_checkpoint(
     batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
     precision = Precision.resolve(run_cfg.train.dtype if dtype is None else dtype, info.device, "eval")
-    result = evaluate(ckpt.model, batches, token_bytes, info, precision=precision)
+    result = evaluate(ckpt.model, batches, token_bytes, info, precision=precision,
+                      attend=attention.kernel(run_cfg.train.attention))  # as training's eval
     return result, seq_len, precision.dtype
 
 

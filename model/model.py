@@ -137,7 +137,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x_BTD, cos, sin, kv_cache=None):
+    def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention):
         B, T, _ = x_BTD.shape
         H, G, K = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x_BTD)
@@ -156,9 +156,8 @@ class Attention(nn.Module):
         # H/G copies with repeat_interleave. On CUDA the flash kernel (bf16/fp16) supports it
         # natively (torch documents flash + math only); on CPU the flash kernel measured faster
         # than repeat_interleave, forward + backward (bench/model_bench.py, "gqa" line).
-        y_BHTK = F.scaled_dot_product_attention(
-            q_BHTK, k_BGSK, v_BGSK, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=G != H
-        )
+        y_BHTK = attend(q_BHTK, k_BGSK, v_BGSK, attn_mask=attn_mask, is_causal=is_causal,
+                        enable_gqa=G != H)
         return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * K))
 
 
@@ -191,8 +190,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x_BTD, cos, sin, kv_cache=None):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, kv_cache)
+    def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, kv_cache, attend)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
     @torch.no_grad()
@@ -264,6 +263,7 @@ class GPT(nn.Module):
         ignore_index: int = IGNORE_INDEX,
         loss_fn=cross_entropy,
         kv_cache=None,
+        attend=F.scaled_dot_product_attention,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) without targets; with targets only the loss: "mean" over
         tokens whose target != ignore_index, "sum", or "none" → (B, T), computed by
@@ -271,14 +271,17 @@ class GPT(nn.Module):
         final hidden states (`cross_entropy`, the full logits, unless the caller passes another).
 
         kv_cache (model.generate.KVCache) appends this chunk's keys/values and attends over the
-        cache, using its per-row positions and padding mask."""
-        h_BTD = self.hidden(idx_BT, kv_cache)
+        cache, using its per-row positions and padding mask. attend: the attention, SDPA or a
+        function of its signature (q, k, v, attn_mask=, is_causal=, enable_gqa=); which kernel a
+        run attends with is the caller's choice (pipeline.attention)."""
+        h_BTD = self.hidden(idx_BT, kv_cache, attend)
         if targets_BT is None:
             return self.lm_head(h_BTD)[..., : self.cfg.vocab_size]  # V padded
         return loss_fn(h_BTD, self.lm_head.weight, targets_BT, self.cfg.vocab_size,
                        reduction=reduction, ignore_index=ignore_index)
 
-    def hidden(self, idx_BT: torch.Tensor, kv_cache=None) -> torch.Tensor:
+    def hidden(self, idx_BT: torch.Tensor, kv_cache=None,
+               attend=F.scaled_dot_product_attention) -> torch.Tensor:
         """The final-normed hidden states h_BTD the LM head (`lm_head.weight`, V padded x D)
         turns into logits."""
         B, T = idx_BT.shape
@@ -291,7 +294,7 @@ class GPT(nn.Module):
             cos, sin = self.rope_cos[pos_BT, None], self.rope_sin[pos_BT, None]  # (B, T, 1, K)
         x_BTD = self.tok_emb(idx_BT)
         for block in self.blocks:
-            x_BTD = block(x_BTD, cos, sin, kv_cache)
+            x_BTD = block(x_BTD, cos, sin, kv_cache, attend)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm_f(x_BTD)

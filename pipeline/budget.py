@@ -159,6 +159,11 @@ class RunLength:
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
         self.clock = TimeBudget(cfg.train.time_budget_s) if cfg.train.time_budget_s else None
 
+    def settle(self, cfg: JobConfig) -> None:
+        """The config with what the trainer resolved since (train.attention): the one a fixed
+        length is applied to."""
+        self.cfg = cfg
+
     def keep_fixed(self, saved: JobConfig) -> None:
         """Resuming a run whose length is already fixed (budget measured, or none): keep that
         length. The budget sizes a run once; measuring again would change its lr schedule."""

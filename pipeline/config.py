@@ -75,6 +75,11 @@ class TrainConfig:
     """torch.compile the forward with its loss; auto = on for CUDA, and on CPU when the run's
     estimated eager time (a roofline from the measured matmul peak and memory bandwidth) repays
     the cold compiles twice over; the run logs the estimate: see pipeline.compile_policy."""
+    attention: Literal["auto", "sdpa", "eager"] = "auto"
+    """Attention kernel: sdpa (F.scaled_dot_product_attention: flash, O(T) memory) or eager
+    (matmul, softmax, matmul: saves each layer's T x T probabilities). auto = sdpa on CUDA; on
+    CPU both are timed at the run's shape and eager is taken if clearly faster and its memory
+    fits; the run logs why and keeps the choice on resume: see pipeline.attention."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

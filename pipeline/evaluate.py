@@ -17,9 +17,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.model import IGNORE_INDEX
+from pipeline.attention import Attend
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.loss import EAGER_LOSS, HeadLoss
 from pipeline.parallelize import Precision
@@ -47,11 +49,13 @@ def evaluate(
     *,
     precision: Precision,
     loss_fn: HeadLoss = EAGER_LOSS,
+    attend: Attend = F.scaled_dot_product_attention,
 ) -> EvalResult:
     """Sum of token losses, token count and byte count over this rank's batches, reduced over
     ranks. `token_bytes[id]` is the UTF-8 length of token `id` (0 for special tokens); targets
     equal to IGNORE_INDEX are not counted. loss_fn: the LM-head loss (training passes its own,
-    compiled with the model when the run is).
+    compiled with the model when the run is); attend: the attention (training passes its own,
+    so a compiled model is not compiled again for eval).
 
     Every rank must pass the same number of batches (FSDP runs each forward on all ranks):
     `eval_batches` pads with IGNORE_INDEX rows to guarantee it."""
@@ -62,7 +66,7 @@ def evaluate(
     for x_BT, y_BT in batches:
         x_BT, y_BT = x_BT.to(info.device), y_BT.to(info.device)
         with precision.autocast(model):
-            loss_sum = model(x_BT, y_BT, reduction="sum", loss_fn=loss_fn)
+            loss_sum = model(x_BT, y_BT, reduction="sum", loss_fn=loss_fn, attend=attend)
         valid_BT = y_BT != IGNORE_INDEX
         sums[0] += loss_sum.double()
         sums[1] += valid_BT.sum()

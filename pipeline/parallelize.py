@@ -20,12 +20,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT
+from pipeline.attention import Attend
 from pipeline.distributed import DistInfo
 from pipeline.hardware import MMAP_THRESHOLD, fix_mmap_threshold, resolve_dtype
 from pipeline.loss import EAGER_LOSS, HeadLoss, select_loss
@@ -70,17 +72,20 @@ class Precision:
 
 @dataclass(frozen=True)
 class ParallelModel:
-    """The module to train (as `parallelize` wrapped it), the LM-head loss its forward is
-    handed (pipeline.loss.select_loss's choice), and what differs between the modes."""
+    """The module to train (as `parallelize` wrapped it), the LM-head loss and the attention its
+    forward is handed (pipeline.loss.select_loss's and pipeline.attention's choices), and what
+    differs between the modes."""
 
     module: nn.Module
     mode: str  # "none" | "ddp" | "fsdp"
     precision: Precision
     head_loss: HeadLoss = EAGER_LOSS
+    attend: Attend = F.scaled_dot_product_attention
 
     def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor, reduction: str = "mean"):
-        """The module's forward to the loss, computed by this run's head_loss."""
-        return self.module(idx_BT, targets_BT, reduction=reduction, loss_fn=self.head_loss)
+        """The module's forward to the loss, computed by this run's head_loss and attention."""
+        return self.module(idx_BT, targets_BT, reduction=reduction, loss_fn=self.head_loss,
+                           attend=self.attend)
 
     def autocast(self):
         return self.precision.autocast(self.module)
@@ -115,12 +120,14 @@ def parallelize(
     precision: Precision,
     compile_model: bool,
     activation_checkpointing: bool,
+    attend: Attend = F.scaled_dot_product_attention,
     init_seed: int | None = None,
 ) -> ParallelModel:
     """Wrap `model` for training. `parallel` is resolved (none | ddp | fsdp: see
     resolve_parallel). With init_seed, `model` is a meta-device build (materialize.meta_gpt),
     allocated on info.device and initialised after sharding, so that under FSDP2 a rank holds only
-    its shards; without, it must already hold its initial weights on info.device."""
+    its shards; without, it must already hold its initial weights on info.device. attend: the
+    attention every forward is handed (pipeline.attention.kernel of train.attention)."""
     if activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -148,7 +155,7 @@ def parallelize(
     if parallel == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    return ParallelModel(module, parallel, precision, head_loss)
+    return ParallelModel(module, parallel, precision, head_loss, attend)
 
 
 def compile_regions(model: GPT, per_block: bool) -> None:

@@ -20,7 +20,7 @@ import torch
 from data_prep.shards import load_manifest
 from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_byte_lengths
 from model import GPT, ModelConfig, generate
-from pipeline import budget, compile_policy
+from pipeline import attention, budget, compile_policy
 from pipeline import checkpoint as ckpt
 from pipeline.async_checkpoint import Checkpointer
 from pipeline.config import (
@@ -109,10 +109,12 @@ def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) ->
 
 def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: Precision,
                    info: DistInfo) -> ParallelModel:
+    """train_cfg.attention resolved (pipeline.attention.resolve)."""
     return parallelize(
         model, info, parallel=resolve_parallel(train_cfg.parallel, info), precision=precision,
         compile_model=compile_policy.decide(model, train_cfg, seq_len, precision.dtype, info),
-        activation_checkpointing=train_cfg.activation_checkpointing, init_seed=train_cfg.seed,
+        activation_checkpointing=train_cfg.activation_checkpointing,
+        attend=attention.kernel(train_cfg.attention), init_seed=train_cfg.seed,
     )
 
 
@@ -144,9 +146,10 @@ class Trainer:
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
         self.sample_precision = Precision.resolve(cfg.train.dtype, info.device, "sample")
+        self._resolve_attention(None if resume_meta is None else resume_meta.config)
         self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/materialize.py)
-        self.parallel = build_parallel(self.model, cfg.train, cfg.data.seq_len, self.precision,
-                                       info)
+        self.parallel = build_parallel(self.model, self.cfg.train, cfg.data.seq_len,
+                                       self.precision, info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
                                          self.precision.dtype)
         self.checkpointer = Checkpointer(info, cfg.checkpoint.async_save)
@@ -162,6 +165,15 @@ class Trainer:
         self.recompiles = RecompileWatch()
         self.stop_requested = False
         self.sampler: GPT | None = None
+
+    def _resolve_attention(self, started: JobConfig | None) -> None:
+        """train.attention's choice, written into the config (run dir, checkpoints)."""
+        t = self.cfg.train
+        choice = attention.resolve(t.attention, self.model_cfg, t.micro_batch_size,
+                                   self.cfg.data.seq_len, self.precision.dtype, self.info,
+                                   started_with=None if started is None else started.train.attention)
+        self.length.settle(replace(self.cfg, train=replace(t, attention=choice)))
+        self._rebind(self.length.cfg)
 
     def _rebind(self, cfg: JobConfig) -> None:
         """The one change of config a run makes: the length its time budget fixed."""
@@ -248,7 +260,7 @@ class Trainer:
         for v in self.data.val:
             result = evaluate(self.parallel.module, v.batches[:n_batches], self.data.token_bytes,
                               self.info, precision=self.precision,
-                              loss_fn=self.parallel.head_loss)
+                              loss_fn=self.parallel.head_loss, attend=self.parallel.attend)
             share = v.weight / total if total else 1 / len(self.data.val)
             means["val_loss"] += share * result.loss
             means["val_bpb"] += share * result.bits_per_byte

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from model import GPT, ModelConfig
+from pipeline import attention
 from pipeline import compile_policy as policy
 from pipeline import parallelize as par
 from pipeline.distributed import DistInfo
@@ -116,11 +117,11 @@ def loss_and_grads(model, pm, x_BT, y_BT):
 
 
 @pytest.mark.slow  # two cold compiles (train, eval): ~60 s on 2 idle cores, 360 s loaded
-@pytest.mark.parametrize("chunk", [
-    24,  # several chunks, the last one short
-    None,  # logits of one chunk
+@pytest.mark.parametrize("chunk,attend", [
+    (24, "eager"),  # several chunks, the last one short; the eager attention traced in the graph
+    (None, "sdpa"),  # logits of one chunk
 ])
-def test_compiled_forward_and_loss_equal_eager_without_recompiles(chunk):
+def test_compiled_forward_and_loss_equal_eager_without_recompiles(chunk, attend):
     """The loss is in the model's graph: one graph for training's step, one for eval's."""
     cfg = ModelConfig(vocab_size=1000, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
     info = DistInfo(0, 0, 1, CPU)
@@ -129,7 +130,8 @@ def test_compiled_forward_and_loss_equal_eager_without_recompiles(chunk):
         torch.manual_seed(0)
         model = GPT(cfg)
         pm = par.parallelize(model, info, parallel="none", precision=par.Precision(torch.float32, CPU),
-                             compile_model=compile_model, activation_checkpointing=False)
+                             compile_model=compile_model, activation_checkpointing=False,
+                             attend=attention.kernel(attend))
         assert type(pm.head_loss) is type(select_loss(compile_model, True))
         models.append((model, replace(pm, head_loss=select_loss(compile_model, True, chunk))))
     (eager, eager_pm), (model, compiled) = models

@@ -1,0 +1,151 @@
+"""The attention kernel a run computes with, chosen here and handed to every forward
+(`GPT.forward(..., attend=...)`), never set on the model: `train.attention`.
+
+- `sdpa`: F.scaled_dot_product_attention, the model's own default. Flash kernels on CUDA; on CPU
+  its flash kernel, which keeps no T x S matrix (memory O(T) per layer).
+- `eager`: the scores as one matmul, an additive causal mask, softmax, a second matmul: HF's
+  "eager" attention, nanoGPT's path without flash. It saves each layer's T x S probabilities for
+  backward, but where the CPU flash kernel is slow in bf16 it can be twice as fast
+  (bench/attention_bench.py; figures in bench/results/).
+
+`auto` measures, because which wins depends on the CPU kind, the dtype and the shape: on CUDA it
+is sdpa (the flash kernels, and the memory they save); on CPU, one layer's forward and backward at
+the run's own shape is timed both ways (a fraction of a second), and eager is taken when it is
+faster by EAGER_MARGIN and its probabilities would not more than double the activations a
+micro-batch keeps. Rank 0 measures and every rank takes its choice; a resumed run keeps the
+choice it started with (its checkpoint's config), so it computes as the run it continues.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from model import ModelConfig
+from pipeline.distributed import DistInfo
+from pipeline.hardware import dtype_name
+from pipeline.metrics import get_logger
+from pipeline.plan import activation_bytes
+
+log = get_logger()
+
+Attend = Callable[..., torch.Tensor]  # F.scaled_dot_product_attention's signature
+EAGER_MARGIN = 1.10
+"""How much faster eager must measure to be chosen: it holds more memory, and a tie is noise."""
+MEASURE_BUDGET_S = 0.4  # per kernel, after one warm-up call and at least MIN_REPS timed calls
+MIN_REPS = 3
+
+
+def eager_attention(q_BHTK: torch.Tensor, k_BGSK: torch.Tensor, v_BGSK: torch.Tensor,
+                    attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA's result (no dropout, default scale) from two matmuls and a softmax. A boolean
+    attn_mask is True where a query may attend; is_causal is SDPA's top-left causal mask."""
+    H, T, K = q_BHTK.shape[1:]
+    G, S = k_BGSK.shape[1:3]
+    if enable_gqa and G != H:
+        k_BGSK = k_BGSK.repeat_interleave(H // G, dim=1)
+        v_BGSK = v_BGSK.repeat_interleave(H // G, dim=1)
+    # The scale on q (T x K values) rather than on the scores (T x S).
+    s_BHTS = (q_BHTK * K**-0.5) @ k_BGSK.transpose(-1, -2)
+    if is_causal:
+        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q_BHTK.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=s_BHTS.dtype,
+                                    device=s_BHTS.device).masked_fill_(~attn_mask, float("-inf"))
+        # In place: the matmul's backward needs its inputs, not its output; an added bias
+        # measured faster than masked_fill on CPU.
+        s_BHTS = s_BHTS.add_(attn_mask)
+    # In the scores' dtype: CPU softmax computes bf16 in fp32 inside, and CUDA autocast runs it
+    # in fp32 anyway.
+    return torch.softmax(s_BHTS, dim=-1) @ v_BGSK
+
+
+KERNELS: dict[str, Attend] = {"sdpa": F.scaled_dot_product_attention, "eager": eager_attention}
+
+
+def kernel(name: str) -> Attend:
+    """The attention of a resolved train.attention; `auto` left in an older run's config is
+    sdpa, what such a run trained with."""
+    return KERNELS.get(name, F.scaled_dot_product_attention)
+
+
+def step_seconds(attend: Attend, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor,
+                 v_BGTK: torch.Tensor, gqa: bool) -> float:
+    """Best seconds of one causal forward + backward after a warm-up call."""
+    def once() -> float:
+        t = time.perf_counter()
+        attend(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa).sum().backward()
+        return time.perf_counter() - t
+
+    once()
+    times, deadline = [], time.perf_counter() + MEASURE_BUDGET_S
+    while len(times) < MIN_REPS or time.perf_counter() < deadline:
+        times.append(once())
+    return min(times)
+
+
+def measure(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
+            device: torch.device) -> dict[str, float]:
+    """Seconds of one layer's attention forward + backward at this shape, by kernel."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(batch, heads, seq_len, m.head_dim, generator=gen, device=device,
+                           dtype=dtype).requires_grad_()
+
+    q, k, v = rand(m.n_head), rand(m.n_kv_head), rand(m.n_kv_head)
+    gqa = m.n_kv_head != m.n_head
+    return {name: step_seconds(fn, q, k, v, gqa) for name, fn in KERNELS.items()}
+
+
+def eager_fits(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype) -> bool:
+    """Eager's saved probabilities (every layer's B x H x T x T) at most the activations the
+    model keeps otherwise (pipeline.plan's count)."""
+    bf16 = dtype == torch.bfloat16
+    probs = m.n_layer * batch * m.n_head * seq_len**2 * (2 if bf16 else 4)
+    return probs <= activation_bytes(m, batch, seq_len, bf16, checkpointing=False)
+
+
+def _agree(choice: str, info: DistInfo) -> str:
+    """Rank 0's choice, on every rank (timings differ between processes)."""
+    if not (info.is_distributed and dist.is_initialized()):
+        return choice
+    names = list(KERNELS)
+    box = torch.tensor([names.index(choice)], device=info.device)
+    dist.broadcast(box, src=0)
+    return names[int(box.item())]
+
+
+def choose(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
+           device: torch.device) -> tuple[str, str]:
+    """auto's choice on `device` for micro-batches of `batch` x `seq_len`, and why."""
+    if device.type != "cpu":
+        return "sdpa", f"sdpa on {device.type} (its flash kernels)"
+    if not eager_fits(m, batch, seq_len, dtype):
+        return "sdpa", (f"sdpa: eager's T x T probabilities at T {seq_len} would more than "
+                        "double the activations")
+    s = measure(m, batch, seq_len, dtype, device)
+    choice = "eager" if s["eager"] * EAGER_MARGIN <= s["sdpa"] else "sdpa"
+    return choice, (f"{choice}: one layer's forward + backward at batch {batch}, T {seq_len}, "
+                    f"{dtype_name(dtype)} measured sdpa {1e3 * s['sdpa']:.1f} ms, eager "
+                    f"{1e3 * s['eager']:.1f} ms")
+
+
+def resolve(requested: str, m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
+            info: DistInfo, started_with: str | None = None) -> str:
+    """train.attention auto|sdpa|eager -> sdpa|eager for this run, with one log line saying why
+    when auto decides. started_with: a resumed run's resolved choice."""
+    if requested != "auto":
+        return requested
+    if started_with in KERNELS:
+        log.info("train.attention = auto -> %s: the choice this run started with", started_with)
+        return started_with
+    choice, why = choose(m, batch, seq_len, dtype, info.device)
+    log.info("train.attention = auto -> %s", why)  # rank 0's, the one every rank takes
+    return _agree(choice, info)

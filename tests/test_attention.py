@@ -1,0 +1,146 @@
+"""pipeline.attention: the eager kernel computes SDPA's attention (values and gradients, fp32 and
+bf16, causal / masked / GQA / a longer key sequence), the model trains the same with either, and
+train.attention = auto chooses from what it measures, says so, and keeps its choice on resume."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, ModelConfig
+from pipeline import attention
+from pipeline.config import load_config
+from pipeline.distributed import DistInfo
+from pipeline.train import Trainer
+from tests.test_train import cfg_for
+
+CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+CFG = ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
+
+
+def heads(B, H, G, T, S, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, 16, generator=g) * 2  # scores far from uniform
+    k, v = torch.randn(B, G, S, 16, generator=g), torch.randn(B, G, S, 16, generator=g)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+def run(attend, qkv, **kw):
+    out = attend(*qkv, **kw)
+    out.backward(torch.ones_like(out) / out.numel() ** 0.5)
+    return [out.detach().double()] + [t.grad.double() for t in qkv]
+
+
+CASES = [  # (H, G, T, S, mask kwargs)
+    (4, 4, 32, 32, "causal"),
+    (4, 2, 32, 32, "causal"),  # GQA
+    (4, 1, 8, 24, "causal"),  # MQA, more keys than queries: SDPA's top-left causal mask
+    (4, 2, 16, 16, "bool"),  # the KV cache's kind of mask
+    (4, 4, 16, 16, "none"),
+]
+
+
+def mask_kwargs(kind, T, S):
+    if kind == "causal":
+        return {"is_causal": True}
+    if kind == "bool":
+        m = torch.rand(T, S, generator=torch.Generator().manual_seed(1)) > 0.4
+        m[:, 0] = True  # every query sees at least one key
+        return {"attn_mask": m}
+    return {}
+
+
+@pytest.mark.parametrize("H,G,T,S,kind", CASES)
+def test_eager_attention_equals_sdpa_in_fp32(H, G, T, S, kind):
+    kw = mask_kwargs(kind, T, S) | {"enable_gqa": G != H}
+    ref = run(F.scaled_dot_product_attention, heads(2, H, G, T, S, torch.float32), **kw)
+    got = run(attention.eager_attention, heads(2, H, G, T, S, torch.float32), **kw)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max().item())
+
+
+@pytest.mark.parametrize("H,G,T,S,kind", CASES)
+def test_eager_attention_in_bf16_is_as_close_to_fp64_as_sdpa_is(H, G, T, S, kind):
+    """bf16 rounds the scores before the softmax (as HF's and nanoGPT's eager paths do): its
+    error against a float64 reference stays within a few bf16 steps of SDPA's own."""
+    kw = mask_kwargs(kind, T, S) | {"enable_gqa": G != H}
+    exact = run(F.scaled_dot_product_attention, heads(2, H, G, T, S, torch.float64), **kw)
+    sdpa = run(F.scaled_dot_product_attention, heads(2, H, G, T, S, torch.bfloat16), **kw)
+    eager = run(attention.eager_attention, heads(2, H, G, T, S, torch.bfloat16), **kw)
+    for name, e, s, x in zip(("out", "dq", "dk", "dv"), eager, sdpa, exact):
+        scale = x.abs().max().item()
+        err_eager, err_sdpa = (e - x).abs().max().item(), (s - x).abs().max().item()
+        assert err_eager <= max(2 * err_sdpa, 4 * 2**-8 * scale), (name, err_eager, err_sdpa, scale)
+
+
+def loss_and_grads(attend):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x_BT, y_BT = torch.randint(0, 300, (2, 2, 48), generator=torch.Generator().manual_seed(0))
+    loss = model(x_BT, y_BT, attend=attend)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_the_model_trains_the_same_with_either_kernel():
+    ref_loss, ref = loss_and_grads(F.scaled_dot_product_attention)
+    loss, got = loss_and_grads(attention.eager_attention)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for n in ref:
+        assert torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_explicit_choices_are_kept_and_auto_never_measures_off_cpu(monkeypatch):
+    monkeypatch.setattr(attention, "measure", lambda *a: pytest.fail("measured"))
+    for name in ("sdpa", "eager"):
+        assert attention.resolve(name, CFG, 4, 64, torch.float32, CPU) == name
+    cuda = DistInfo(0, 0, 1, torch.device("cuda", 0))
+    assert attention.resolve("auto", CFG, 4, 64, torch.bfloat16, cuda) == "sdpa"
+    assert attention.resolve("auto", CFG, 4, 64, torch.float32, CPU, started_with="eager") == "eager"
+
+
+@pytest.mark.parametrize("sdpa_s,eager_s,expected", [
+    (2.0, 1.0, "eager"),
+    (1.0, 1.0, "sdpa"),
+    (1.05, 1.0, "sdpa"),  # within EAGER_MARGIN: a tie, and eager holds more memory
+    (1.0, 2.0, "sdpa"),
+])
+def test_auto_takes_eager_only_when_clearly_faster(monkeypatch, caplog, sdpa_s, eager_s, expected):
+    monkeypatch.setattr(attention, "measure", lambda *a: {"sdpa": sdpa_s, "eager": eager_s})
+    with caplog.at_level(logging.INFO, logger=attention.log.name):
+        assert attention.resolve("auto", CFG, 4, 64, torch.float32, CPU) == expected
+    line = [r.getMessage() for r in caplog.records if "train.attention" in r.getMessage()]
+    assert len(line) == 1 and f"-> {expected}:" in line[0]
+    assert f"sdpa {1e3 * sdpa_s:.1f} ms, eager {1e3 * eager_s:.1f} ms" in line[0]
+
+
+def test_auto_keeps_sdpa_where_eager_scores_would_dwarf_the_activations(monkeypatch):
+    monkeypatch.setattr(attention, "measure", lambda *a: {"sdpa": 9.0, "eager": 1.0})
+    long = ModelConfig(vocab_size=300, n_layer=2, n_head=16, d_model=256, max_seq_len=8192)
+    assert attention.eager_fits(long, 1, 256, torch.bfloat16)
+    assert not attention.eager_fits(long, 1, 8192, torch.bfloat16)
+    assert attention.resolve("auto", long, 1, 8192, torch.bfloat16, CPU) == "sdpa"
+
+
+def test_auto_measures_both_kernels_on_this_cpu():
+    seconds = attention.measure(CFG, 2, 64, torch.float32, CPU.device)
+    assert set(seconds) == {"sdpa", "eager"} and all(0 < s < 5 for s in seconds.values())
+
+
+def test_a_run_records_its_choice_and_keeps_it_on_resume(tiny_data, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    timings = {"sdpa": 2.0, "eager": 1.0}
+    monkeypatch.setattr(attention, "measure", lambda *a: dict(timings))
+    auto = ("--train.attention", "auto", "--checkpoint.every", "3", "--train.max_steps", "6")
+    Trainer(cfg_for(tiny_data, run_dir, *auto), CPU).fit()
+    assert load_config(str(run_dir / "config.toml"), []).train.attention == "eager"
+    timings.update(sdpa=1.0, eager=2.0)  # the machine now measures the other way
+    step_3 = run_dir / "checkpoints" / "step_00000003"
+    trainer = Trainer(cfg_for(tiny_data, run_dir, *auto, "--checkpoint.resume", str(step_3)), CPU)
+    assert trainer.step == 3 and trainer.cfg.train.attention == "eager"
+    assert trainer.parallel.attend is attention.eager_attention
+    trainer.fit()
+    assert load_config(str(run_dir / "config.toml"), []).train.attention == "eager"
