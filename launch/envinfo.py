@@ -4,8 +4,8 @@ something is slow or fails, and paste it into bug reports.
     lmforge env            # human-readable
     lmforge env --json     # the same facts for scripts
 
-It measures (about 2-4 s on a CPU): whether bf16 matmul is native here (the probe `auto` uses)
-and the matmul peak that MFU is relative to.
+It measures (about 2-4 s on a CPU): whether bf16 matmul is native here (the probe `auto` uses),
+the matmul peak that MFU is relative to, and which attention kernel auto takes for the demo.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 from launch.cli import ArgumentParser
 from model import ModelConfig
-from pipeline import hardware
+from pipeline import attention, hardware
 from pipeline.compile_policy import resolve_compile, step_model, threshold_s
 from pipeline.materialize import meta_gpt
 
 # configs/tiny.toml's model with the demo's 4096-id BPE: what the compile rule is stated for.
 DEMO_MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, d_model=256,
                          max_seq_len=256)
+DEMO_BATCH = 8  # its train.micro_batch_size
 PACKAGES = ("numpy", "transformers", "datasets", "tiktoken", "safetensors", "accelerate", "wandb")
 
 
@@ -104,10 +105,13 @@ def auto_choices(device: torch.device) -> dict:
     for d in dict.fromkeys([dtype, torch.float32]):  # the auto dtype's peak, and fp32's
         peak = hardware.matmul_peak(device, d)
         peaks[hardware.dtype_name(d)] = None if peak is None else round(peak / 1e9, 1)
+    attend, attend_why = attention.choose(DEMO_MODEL, DEMO_BATCH, DEMO_MODEL.max_seq_len, dtype,
+                                          device)
     return {
         "device": str(device),
         "dtype": hardware.dtype_name(dtype), "dtype_why": why,
         "compile": compile_rule(device),
+        "attention": {"choice": attend, "why": attend_why},
         "matmul_peak_gflops": peaks,
     }
 
@@ -152,6 +156,7 @@ def render(info: dict) -> str:
         f"cpu bf16     {'native' if c['bf16_native'] else 'emulated'} ({c['bf16_evidence']})",
         f"auto dtype   {a['dtype']} on {a['device']}: {a['dtype_why']}",
         f"auto compile {a['compile']['rule']}",
+        f"auto attention {a['attention']['why']} (the demo's model; each run times its own shape)",
         "matmul peak  " + ", ".join(
             f"{k} {'unknown' if v is None else f'{v:,.1f} GFLOP/s'}"
             for k, v in a["matmul_peak_gflops"].items()) + f" on {a['device']}",

@@ -36,8 +36,8 @@ log = get_logger()
 Attend = Callable[..., torch.Tensor]  # F.scaled_dot_product_attention's signature
 EAGER_MARGIN = 1.10
 """How much faster eager must measure to be chosen: it holds more memory, and a tie is noise."""
-MEASURE_BUDGET_S = 0.4  # per kernel, after one warm-up call and at least MIN_REPS timed calls
-MIN_REPS = 3
+MEASURE_BUDGET_S = 0.3  # per kernel, after one warm-up call and at least MIN_REPS timed calls
+MIN_REPS = 2
 
 
 def eager_attention(q_BHTK: torch.Tensor, k_BGSK: torch.Tensor, v_BGSK: torch.Tensor,
@@ -75,24 +75,11 @@ def kernel(name: str) -> Attend:
     return KERNELS.get(name, F.scaled_dot_product_attention)
 
 
-def step_seconds(attend: Attend, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor,
-                 v_BGTK: torch.Tensor, gqa: bool) -> float:
-    """Best seconds of one causal forward + backward after a warm-up call."""
-    def once() -> float:
-        t = time.perf_counter()
-        attend(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa).sum().backward()
-        return time.perf_counter() - t
-
-    once()
-    times, deadline = [], time.perf_counter() + MEASURE_BUDGET_S
-    while len(times) < MIN_REPS or time.perf_counter() < deadline:
-        times.append(once())
-    return min(times)
-
-
 def measure(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
             device: torch.device) -> dict[str, float]:
-    """Seconds of one layer's attention forward + backward at this shape, by kernel."""
+    """Best seconds of one layer's causal attention forward + backward at this shape, by kernel:
+    a warm-up call each, then the kernels in turn (so that both see the same machine) for at
+    least MIN_REPS calls each and MEASURE_BUDGET_S each."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(heads: int) -> torch.Tensor:
@@ -101,7 +88,21 @@ def measure(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
 
     q, k, v = rand(m.n_head), rand(m.n_kv_head), rand(m.n_kv_head)
     gqa = m.n_kv_head != m.n_head
-    return {name: step_seconds(fn, q, k, v, gqa) for name, fn in KERNELS.items()}
+
+    def seconds(attend: Attend) -> float:  # on CPU (choose never measures elsewhere)
+        t = time.perf_counter()
+        attend(q, k, v, is_causal=True, enable_gqa=gqa).sum().backward()
+        return time.perf_counter() - t
+
+    for fn in KERNELS.values():
+        seconds(fn)  # the first call pays for allocation and kernel selection
+    best = dict.fromkeys(KERNELS, float("inf"))
+    reps, deadline = 0, time.perf_counter() + MEASURE_BUDGET_S * len(KERNELS)
+    while reps < MIN_REPS or time.perf_counter() < deadline:
+        for name, fn in KERNELS.items():
+            best[name] = min(best[name], seconds(fn))
+        reps += 1
+    return best
 
 
 def eager_fits(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype) -> bool:
@@ -122,6 +123,11 @@ def _agree(choice: str, info: DistInfo) -> str:
     return names[int(box.item())]
 
 
+def pick(seconds: dict[str, float]) -> str:
+    """eager where it measured faster by EAGER_MARGIN, else sdpa."""
+    return "eager" if seconds["eager"] * EAGER_MARGIN <= seconds["sdpa"] else "sdpa"
+
+
 def choose(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
            device: torch.device) -> tuple[str, str]:
     """auto's choice on `device` for micro-batches of `batch` x `seq_len`, and why."""
@@ -131,7 +137,7 @@ def choose(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
         return "sdpa", (f"sdpa: eager's T x T probabilities at T {seq_len} would more than "
                         "double the activations")
     s = measure(m, batch, seq_len, dtype, device)
-    choice = "eager" if s["eager"] * EAGER_MARGIN <= s["sdpa"] else "sdpa"
+    choice = pick(s)
     return choice, (f"{choice}: one layer's forward + backward at batch {batch}, T {seq_len}, "
                     f"{dtype_name(dtype)} measured sdpa {1e3 * s['sdpa']:.1f} ms, eager "
                     f"{1e3 * s['eager']:.1f} ms")

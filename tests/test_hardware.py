@@ -13,7 +13,7 @@ import torch
 
 from bench.runs import TINY_ARGS, metrics
 from launch import envinfo
-from pipeline import hardware
+from pipeline import attention, hardware
 from pipeline.config import ConfigError
 from pipeline.metrics import setup_logging
 
@@ -242,12 +242,17 @@ def test_env_text_and_json(monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "auto dtype   fp32 on cpu: this CPU has no native bf16" in text
     for key in ("torch", "cpu isa", "cpu bf16     emulated", "matmul peak  fp32", "distributed",
-                "gloo yes", "transformers", "tiktoken", "auto compile on cpu when"):
+                "gloo yes", "transformers", "tiktoken", "auto compile on cpu when",
+                "auto attention ", "fp32 measured sdpa"):  # the demo's shape, timed in fp32
         assert key in text, key
 
     force(monkeypatch, "native")
+    # Forced native where bf16 may be emulated: its timing would be slow and say nothing.
+    monkeypatch.setattr(attention, "measure", lambda *a: {"sdpa": 2e-3, "eager": 1e-3})
     assert envinfo.main(["--json"]) == 0
     info = json.loads(capsys.readouterr().out)
+    assert info["auto"]["attention"]["choice"] == "eager"
+    assert "bf16 measured sdpa 2.0 ms, eager 1.0 ms" in info["auto"]["attention"]["why"]
     assert info["torch"]["version"] == torch.__version__
     assert info["auto"]["dtype"] == "bf16" and info["cpu"]["bf16_native"] is True
     assert set(info["auto"]["matmul_peak_gflops"]) == {"bf16", "fp32"}
