@@ -93,11 +93,7 @@ def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     cols_V = torch.arange(w_VD.shape[0], device=h_CD.device)
     logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
     lse_C = logits_CV.logsumexp(dim=-1)
-    # The target's logit as a row-wise dot product (C x D values), not a gather from the logits:
-    # inductor fuses a gather into the log-sum-exp's pass over C x V, which it then runs slower
-    # (bench/results/loss_chunk_*.txt). In bf16 the logit thus skips the matmul's rounding of its
-    # output (half a bf16 step at most); the gradient is the same.
-    loss_C = lse_C - (h_CD.float() * w_VD[safe_C].float()).sum(dim=-1)
+    loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
     if not want_grad:
         return loss_C, None
     grad_CV = torch.exp(logits_CV - lse_C[:, None]) - (cols_V == safe_C[:, None]).float()
