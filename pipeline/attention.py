@@ -5,8 +5,8 @@
   its flash kernel, which keeps no T x S matrix (memory O(T) per layer).
 - `eager`: the scores as one matmul, an additive causal mask, softmax, a second matmul: HF's
   "eager" attention, nanoGPT's path without flash. It saves each layer's T x S probabilities for
-  backward, but where the CPU flash kernel is slow in bf16 it can be twice as fast
-  (bench/attention_bench.py; figures in bench/results/).
+  backward, but where the CPU flash kernel is slow (bf16 on a CPU without AMX, at short
+  sequences) it is much faster: bench/attention_bench.py, figures in bench/results/.
 
 `auto` measures, because which wins depends on the CPU kind, the dtype and the shape: on CUDA it
 is sdpa (the flash kernels, and the memory they save); on CPU, one layer's forward and backward at
