@@ -9,7 +9,8 @@ one), in the dtype train.dtype=auto picks on the device.
 
 Every configuration runs in a fresh process (its peak memory its own, its compile warm from
 inductor's disk cache: a cold compile is measured apart), interleaved round after round: on a
-noisy machine only ratios measured in the same run mean anything, and the spread shows how much. A training step is the same for all: forward + mean cross-entropy (under bf16 autocast
+noisy machine only ratios measured in the same run mean anything, and the spread shows how
+much. A training step is the same for all: forward + mean cross-entropy (under bf16 autocast
 when the dtype is bf16), backward, gradient clipping at 1.0, AdamW. lmforge's step is the
 pipeline's (parallelize and its loss, ParallelModel.loss: eager, pipeline.loss.ChunkedLoss;
 compiled, the forward with FusedLoss in its graph); the references are compiled whole (model +
@@ -59,7 +60,7 @@ class Run:
     d_mlp: int = 688
     profile: bool = True  # time a profiled step's matmuls after the timed ones
     loss_chunk: int | None = None  # lmforge: tokens per loss chunk (0: full logits; None: its own)
-    attention: str = "auto"  # lmforge: train.attention (main() resolves auto once per shape)
+    attention: str = "auto"  # lmforge: train.attention (main() resolves auto once for all)
 
     def model_config(self):
         """lmforge's model at this run's shape (every head its own K/V head, as the peers')."""

@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from model import ModelConfig
-from pipeline.distributed import DistInfo
+from pipeline.distributed import DistInfo, broadcast_from_main
 from pipeline.hardware import dtype_name
 from pipeline.metrics import get_logger
 from pipeline.plan import activation_bytes
@@ -52,8 +51,9 @@ def eager_attention(q_BHTK: torch.Tensor, k_BGSK: torch.Tensor, v_BGSK: torch.Te
         v_BGSK = v_BGSK.repeat_interleave(H // G, dim=1)
     # The scale on q (T x K values) rather than on the scores (T x S).
     s_BHTS = (q_BHTK * K**-0.5) @ k_BGSK.transpose(-1, -2)
-    if is_causal:
-        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q_BHTK.device).tril()
+    if is_causal:  # SDPA's top-left mask (tril) as an additive bias, in one op
+        attn_mask = torch.full((T, S), float("-inf"), dtype=s_BHTS.dtype,
+                               device=s_BHTS.device).triu(1)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=s_BHTS.dtype,
@@ -113,16 +113,6 @@ def eager_fits(m: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype) -> 
     return probs <= activation_bytes(m, batch, seq_len, bf16, checkpointing=False)
 
 
-def _agree(choice: str, info: DistInfo) -> str:
-    """Rank 0's choice, on every rank (timings differ between processes)."""
-    if not (info.is_distributed and dist.is_initialized()):
-        return choice
-    names = list(KERNELS)
-    box = torch.tensor([names.index(choice)], device=info.device)
-    dist.broadcast(box, src=0)
-    return names[int(box.item())]
-
-
 def pick(seconds: dict[str, float]) -> str:
     """eager where it measured faster by EAGER_MARGIN, else sdpa."""
     return "eager" if seconds["eager"] * EAGER_MARGIN <= seconds["sdpa"] else "sdpa"
@@ -152,6 +142,13 @@ def resolve(requested: str, m: ModelConfig, batch: int, seq_len: int, dtype: tor
     if started_with in KERNELS:
         log.info("train.attention = auto -> %s: the choice this run started with", started_with)
         return started_with
-    choice, why = choose(m, batch, seq_len, dtype, info.device)
-    log.info("train.attention = auto -> %s", why)  # rank 0's, the one every rank takes
-    return _agree(choice, info)
+    # Rank 0 alone times (ranks timing at once would share the cores) and every rank takes its
+    # choice: timings differ between processes.
+    names, index = list(KERNELS), -1
+    if info.is_main:
+        choice, why = choose(m, batch, seq_len, dtype, info.device)
+        log.info("train.attention = auto -> %s", why)
+        index = names.index(choice)
+    if info.is_distributed:
+        index = int(broadcast_from_main(torch.tensor([index], device=info.device), info).item())
+    return names[index]

@@ -176,7 +176,8 @@ class Trainer:
         self._rebind(self.length.cfg)
 
     def _rebind(self, cfg: JobConfig) -> None:
-        """The one change of config a run makes: the length its time budget fixed."""
+        """The config's changes after the start: train.attention's choice, then the length a
+        time budget fixed."""
         self.cfg, self.derived = cfg, derive(cfg, self.info.world_size)
 
     def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:

@@ -141,8 +141,10 @@ def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
     """Preemption: the scheduler signals the training processes; each finishes its step, the
     ranks save one checkpoint together and exit 0, so torchrun exits 0 too."""
     run_dir = tmp_path / "term"
+    # train.attention = auto: rank 0 times the kernels, both ranks take its choice.
     proc = start(train_cmd(layout_args(tiny_data, run_dir, "--train.parallel", "ddp",
-                                    "--train.max_steps", "100000", "--checkpoint.every", "0"), nproc=2))
+                                    "--train.max_steps", "100000", "--checkpoint.every", "0",
+                                    "--train.attention", "auto"), nproc=2))
     try:
         wait_for_step(proc, run_dir, 3)
         workers = children(proc.pid)
@@ -155,6 +157,8 @@ def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
     assert proc.returncode == 0, out[-3000:]
     saved = ckpt.list_complete(run_dir / "checkpoints")
     assert saved and ckpt.read_meta(saved[-1]).step >= 3, out[-2000:]
+    assert out.count("train.attention = auto -> ") == 1, out[-2000:]
+    assert ckpt.read_meta(saved[-1]).config.train.attention in ("sdpa", "eager")
 
 
 def test_config_typo_is_one_line_before_any_rank_starts():
