@@ -340,29 +340,36 @@ def peak_note(device: torch.device, dtype: torch.dtype) -> str:
 
 # ----------------------------------------------------------------------------- CPU allocator
 
-# glibc's default; fixed, it stops malloc raising it as large blocks are freed.
-MMAP_THRESHOLD = 128 * 1024
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's default; fixed, it stops malloc raising it
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
+# "release" (FSDP2): every freed block of MMAP_THRESHOLD or more goes back to the OS at once.
+# "keep" (one replica per process): no block is mmapped and the heap is never trimmed (-1), so
+# a step's buffers come back from the heap, as a GPU's caching allocator hands them back.
+ALLOCATOR_MODES = {"release": ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD),),
+                   "keep": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
+_USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_",
+                    "MALLOC_TOP_PAD_")
 
 
-def fix_mmap_threshold() -> bool:
-    """Make glibc malloc return every freed block of MMAP_THRESHOLD or more to the OS at once.
+def set_cpu_allocator(mode: str) -> bool:
+    """Set glibc malloc's policy for large blocks (ALLOCATOR_MODES) for the rest of the process.
 
-    By default glibc raises its mmap threshold (up to 32 MiB) whenever a larger mmapped block is
-    freed, after which blocks of that size come from its heaps and stay there when freed. FSDP2's
-    per-block buffers (gathered parameters, unsharded gradients, reduce-scatter inputs) are freed
-    and allocated again block after block, step after step: in the heaps they fragment, and a
-    rank's peak RSS grows far past the sharded state the plan counts, shrinking little with more
-    ranks. The price is page faults on every fresh buffer (bench/results/fsdp_memory_avx512.txt
-    has both). Returns whether it was set: not when MALLOC_MMAP_THRESHOLD_ (the user's own
-    choice) is set or malloc is not glibc's."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    By default glibc mmaps every block above its threshold (raised up to 32 MiB as big blocks
+    are freed) and unmaps it on free, and trims the heap's free top: a training step's large
+    tensors (a loss chunk's logits, activations, gradients) are then faulted in afresh every step,
+    a page fault per 4 KiB; "keep" ends that, at the price of the RSS staying at its peak. FSDP2's
+    per-block buffers (gathered parameters, unsharded gradients, reduce-scatter inputs) are the
+    opposite case: kept in the heap they fragment, and a rank's peak RSS grows far past the
+    sharded state the plan counts, so "release" gives them back. bench/results/ has the faults,
+    step times and peaks of both. Returns whether it was set: not when the user chose with a
+    MALLOC_*_ variable, or malloc is not glibc's."""
+    if any(k in os.environ for k in _USER_MALLOC_ENV):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return all(mallopt(param, value) == 1 for param, value in ALLOCATOR_MODES[mode])
 
 
 _BANDWIDTH_BYTES = 64 * 2**20  # well past any cache: what elementwise passes over big tensors see
