@@ -79,9 +79,10 @@ def cpu() -> dict:
     }
 
 
-def compile_rule(device: torch.device) -> dict:
+def compile_rule(device: torch.device, attend: str) -> dict:
     """What train.compile = auto decides on `device` (pipeline.compile_policy): on CUDA always; on
-    CPU it depends on the run's estimated eager time, so the threshold for the demo's model."""
+    CPU it depends on the run's estimated eager time, so the threshold for the demo's model
+    (computing attention with `attend`, auto's choice for it)."""
     if device.type != "cpu":
         on = resolve_compile("auto", device)
         return {"rule": f"{'on' if on else 'off'} on {device.type} (whatever the run)",
@@ -91,7 +92,7 @@ def compile_rule(device: torch.device) -> dict:
     if not peak:
         return {"rule": "off on cpu (no measured matmul peak)", "threshold_s": None, "gain": None}
     steps = step_model(meta_gpt(DEMO_MODEL), DEMO_MODEL.max_seq_len, peak,
-                       hardware.memory_bandwidth(device))
+                       hardware.memory_bandwidth(device), attend)
     t = threshold_s(steps.gain)
     return {"rule": f"on cpu when a run's estimated eager time reaches {t / 60:.0f} min for the "
                     f"demo's model in {hardware.dtype_name(dtype)} (compiled est. "
@@ -110,7 +111,7 @@ def auto_choices(device: torch.device) -> dict:
     return {
         "device": str(device),
         "dtype": hardware.dtype_name(dtype), "dtype_why": why,
-        "compile": compile_rule(device),
+        "compile": compile_rule(device, attend),
         "attention": {"choice": attend, "why": attend_why},
         "matmul_peak_gflops": peaks,
     }

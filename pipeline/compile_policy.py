@@ -35,6 +35,11 @@ EAGER_VALUES_PER_LAYER_D, FUSED_VALUES_PER_LAYER_D = 130, 40
 # are written, masked, log-softmaxed (3 passes), exponentiated in place and cast: ~9; fused, the
 # matmul's output is read twice and the gradient written once: ~4 (ChunkedLoss / FusedLoss).
 EAGER_VALUES_HEAD_V, FUSED_VALUES_HEAD_V = 9, 4
+# Eager attention (train.attention = eager) also passes over each layer's T x S scores, n_head x S
+# values per token: eager, the in-place mask and the softmax read and write them (4) and the
+# softmax's backward reads two and writes one (3): ~7; fused, mask and softmax are one read and
+# write, their backward ~3: ~5. SDPA runs the same kernels compiled or not: no term.
+EAGER_VALUES_PER_SCORE, FUSED_VALUES_PER_SCORE = 7, 5
 VALUE_BYTES = 4  # elementwise work runs in fp32 also under bf16 autocast (norms, softmax)
 # The cold compile the rule allows for, per graph (training's and eval's): a budget the design
 # sets, of the order bench/train_bench.py measures on 2 CPU cores (bench/results/).
@@ -62,17 +67,24 @@ class StepModel:
         return self.eager_s / (self.matmul_s + self.fused_elementwise_s)
 
 
-def step_model(model: GPT, seq_len: int, peak: float, bandwidth: float) -> StepModel:
+def step_model(model: GPT, seq_len: int, peak: float, bandwidth: float,
+               attention: str = "sdpa") -> StepModel:
+    """The roofline of a training step of `model` at seq_len, computing attention with
+    `attention` (train.attention, resolved: sdpa or eager)."""
     cfg = model.cfg
     per_layer = cfg.n_layer * cfg.d_model
+    scores = cfg.n_layer * cfg.n_head * seq_len if attention == "eager" else 0
     V = cfg.padded_vocab_size
 
-    def elementwise_s(layer_values: float, head_values: float) -> float:
-        return (layer_values * per_layer + head_values * V) * VALUE_BYTES / bandwidth
+    def elementwise_s(layer_values: float, score_values: float, head_values: float) -> float:
+        values = layer_values * per_layer + score_values * scores + head_values * V
+        return values * VALUE_BYTES / bandwidth
 
     return StepModel(model.flops_per_token(seq_len) / peak,
-                     elementwise_s(EAGER_VALUES_PER_LAYER_D, EAGER_VALUES_HEAD_V),
-                     elementwise_s(FUSED_VALUES_PER_LAYER_D, FUSED_VALUES_HEAD_V))
+                     elementwise_s(EAGER_VALUES_PER_LAYER_D, EAGER_VALUES_PER_SCORE,
+                                   EAGER_VALUES_HEAD_V),
+                     elementwise_s(FUSED_VALUES_PER_LAYER_D, FUSED_VALUES_PER_SCORE,
+                                   FUSED_VALUES_HEAD_V))
 
 
 def threshold_s(gain: float) -> float:
@@ -101,7 +113,7 @@ def estimate(model: GPT, train_cfg: TrainConfig, seq_len: int, dtype: torch.dtyp
     peak = matmul_peak(info.device, dtype)
     if not peak:
         return None
-    steps = step_model(model, seq_len, peak, memory_bandwidth(info.device))
+    steps = step_model(model, seq_len, peak, memory_bandwidth(info.device), train_cfg.attention)
     tokens = train_cfg.global_batch_tokens * train_cfg.max_steps / info.world_size
     eager_s = tokens * steps.eager_s
     return (min(eager_s, train_cfg.time_budget_s) if train_cfg.time_budget_s else eager_s), steps

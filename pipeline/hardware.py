@@ -343,8 +343,8 @@ def peak_note(device: torch.device, dtype: torch.dtype) -> str:
 MMAP_THRESHOLD = 128 * 1024  # glibc's default; fixed, it stops malloc raising it
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
 # "release" (FSDP2): every freed block of MMAP_THRESHOLD or more goes back to the OS at once.
-# "keep" (one replica per process): no block is mmapped and the heap is never trimmed (-1), so
-# a step's buffers come back from the heap, as a GPU's caching allocator hands them back.
+# "keep" (a whole replica per process): no block is mmapped and the heap is never trimmed (-1),
+# so a step's buffers come back from the heap, as a GPU's caching allocator hands them back.
 ALLOCATOR_MODES = {"release": ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD),),
                    "keep": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
 _USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_",
@@ -370,6 +370,21 @@ def set_cpu_allocator(mode: str) -> bool:
     except (OSError, AttributeError):
         return False
     return all(mallopt(param, value) == 1 for param, value in ALLOCATOR_MODES[mode])
+
+
+def keep_freed_blocks_after_first_step(optimizer: torch.optim.Optimizer) -> None:
+    """set_cpu_allocator("keep") once `optimizer` has stepped: by then the run's long-lived
+    tensors (the parameters, the optimizer's state, made at its first step) are placed, and the
+    heap the later steps reuse holds only what a step frees. Kept from the start, the first
+    step's buffers and that state interleave, and the peak RSS grows by the holes."""
+    def keep(*_):
+        handle.remove()
+        if set_cpu_allocator("keep"):
+            get_logger().info("CPU: glibc malloc keeps freed blocks for reuse from now on (no "
+                              "mmap, no trim): a step's buffers cost no page faults, and the RSS "
+                              "stays at its peak (set MALLOC_MMAP_MAX_ to choose another)")
+
+    handle = optimizer.register_step_post_hook(keep)
 
 
 _BANDWIDTH_BYTES = 64 * 2**20  # well past any cache: what elementwise passes over big tensors see

@@ -21,8 +21,10 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from pipeline.config import OptimConfig
+from pipeline.hardware import keep_freed_blocks_after_first_step
 from pipeline.muon import Muon
 
 
@@ -33,7 +35,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     ns_dtype: Muon's Newton–Schulz precision (torch's own is bf16, which CPUs without bf16
     matmuls emulate at several times the cost of fp32); the trainer passes its compute dtype."""
     if cfg.name == "adamw":
-        return _adamw(model.parameters(), cfg, device)
+        return _keeping_memory(_adamw(model.parameters(), cfg, device), model, device)
     matrices = [p for name, p in model.named_parameters() if is_muon_matrix(name, p)]
     chosen = {id(p) for p in matrices}
     others = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
@@ -41,7 +43,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
         [{"params": matrices, "kind": "muon"}], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
         nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype,
     )
-    return Optimizers(_adamw(others, cfg, device), muon)
+    return _keeping_memory(Optimizers(_adamw(others, cfg, device), muon), model, device)
+
+
+def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
+    """On CPU, a whole replica's steps reuse their freed buffers from the first step's end on
+    (pipeline.hardware.keep_freed_blocks_after_first_step); FSDP2's shards give theirs back
+    (pipeline.parallelize)."""
+    if torch.device(device).type == "cpu" and not isinstance(model, FSDPModule):
+        last = optimizer.optimizers[-1] if isinstance(optimizer, Optimizers) else optimizer
+        keep_freed_blocks_after_first_step(last)
+    return optimizer
 
 
 def is_muon_matrix(name: str, param: nn.Parameter) -> bool:

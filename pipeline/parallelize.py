@@ -135,9 +135,13 @@ def parallelize(
         compile_regions(model, per_block=parallel == "fsdp")
     head_loss = select_loss(compile_model, compiled_with_model=parallel != "fsdp")
     module: nn.Module = model
-    if info.device.type == "cpu":
-        _set_allocator(parallel)
     if parallel == "fsdp":
+        # Sharding is for memory: on CPU, memory only shrinks with the ranks once malloc gives
+        # FSDP2's freed per-block buffers back (a step costs more page faults for it).
+        if info.device.type == "cpu" and set_cpu_allocator("release"):
+            log.info("FSDP2 on CPU: glibc malloc's mmap threshold fixed at %d KiB, so freed "
+                     "buffers go back to the OS (set MALLOC_MMAP_THRESHOLD_ to choose another)",
+                     MMAP_THRESHOLD // 1024)
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters
         # the optimizer updates are the master weights.
         mp = MixedPrecisionPolicy(
@@ -152,20 +156,6 @@ def parallelize(
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return ParallelModel(module, parallel, precision, head_loss, attend)
-
-
-def _set_allocator(parallel: str) -> None:
-    """Sharding is for memory: on CPU, memory only shrinks with FSDP2's ranks once malloc gives
-    the freed per-block buffers back (a step costs more page faults for it). Without sharding,
-    the same buffers recur every step and are kept for reuse instead."""
-    if parallel == "fsdp" and set_cpu_allocator("release"):
-        log.info("FSDP2 on CPU: glibc malloc's mmap threshold fixed at %d KiB, so freed buffers "
-                 "go back to the OS (set MALLOC_MMAP_THRESHOLD_ to choose another)",
-                 MMAP_THRESHOLD // 1024)
-    elif parallel != "fsdp" and set_cpu_allocator("keep"):
-        log.info("CPU: glibc malloc keeps freed blocks for reuse (no mmap, no trim), so a step's "
-                 "buffers cost no page faults; RSS stays at its peak (set MALLOC_MMAP_MAX_ to "
-                 "choose another)")
 
 
 def compile_regions(model: GPT, per_block: bool) -> None:

@@ -63,6 +63,17 @@ def test_compile_gains_more_where_matmuls_are_cheap_against_memory():
     assert policy.threshold_s(fast.gain) < policy.threshold_s(slow.gain)
 
 
+def test_eager_attention_adds_its_score_passes_to_the_step():
+    """train.attention = eager passes over T x S scores per layer, which compile fuses; SDPA's
+    kernels are the same either way."""
+    with torch.device("meta"):
+        model = GPT(SHAPE_A)
+    sdpa, eager = (policy.step_model(model, 256, 400e9, 20e9, a) for a in ("sdpa", "eager"))
+    assert eager.matmul_s == sdpa.matmul_s
+    assert eager.eager_elementwise_s > sdpa.eager_elementwise_s
+    assert eager.gain > sdpa.gain
+
+
 @pytest.fixture
 def fixed_machine(monkeypatch):
     monkeypatch.setattr(policy, "matmul_peak", lambda device, dtype: 400e9)
