@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="eager runs only")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="steps per run, the first 3 warm-up")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--glibc-default", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -68,10 +69,10 @@ def main() -> None:
     import torch
 
     from pipeline import attention
-    from pipeline.hardware import auto_dtype, dtype_name
+    from pipeline.hardware import DTYPES, auto_dtype, dtype_name
 
     cpu = torch.device("cpu")
-    dtype = auto_dtype(cpu)[0]
+    dtype = auto_dtype(cpu)[0] if a.dtype == "auto" else DTYPES[a.dtype]
     base = tb.Run("lmforge", 0, False, "cpu", dtype_name(dtype), a.steps, profile=False, **tb.FULL)
     base = replace(base, attention=attention.choose(base.model_config(), base.batch,
                                                     base.seq_len, dtype, cpu)[0])

@@ -341,12 +341,15 @@ def peak_note(device: torch.device, dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------- CPU allocator
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's default; fixed, it stops malloc raising it
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
+KEPT_MMAP_THRESHOLD = 32 * 2**20  # the largest glibc takes (64-bit)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 # "release" (FSDP2): every freed block of MMAP_THRESHOLD or more goes back to the OS at once.
-# "keep" (a whole replica per process): no block is mmapped and the heap is never trimmed (-1),
-# so a step's buffers come back from the heap, as a GPU's caching allocator hands them back.
+# "keep" (a whole replica per process): blocks under KEPT_MMAP_THRESHOLD come from the heap, which
+# is never trimmed (-1), so a step's buffers come back without page faults, as a GPU's caching
+# allocator hands them back. Larger blocks (a loss chunk's logits, the head's fp32 gradient) are
+# still mmapped: kept in the heap too, their holes grew the fp32 peak by a third.
 ALLOCATOR_MODES = {"release": ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD),),
-                   "keep": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
+                   "keep": ((_M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, -1))}
 _USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_",
                     "MALLOC_TOP_PAD_")
 
@@ -354,10 +357,11 @@ _USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_
 def set_cpu_allocator(mode: str) -> bool:
     """Set glibc malloc's policy for large blocks (ALLOCATOR_MODES) for the rest of the process.
 
-    By default glibc mmaps every block above its threshold (raised up to 32 MiB as big blocks
-    are freed) and unmaps it on free, and trims the heap's free top: a training step's large
-    tensors (a loss chunk's logits, activations, gradients) are then faulted in afresh every step,
-    a page fault per 4 KiB; "keep" ends that, at the price of the RSS staying at its peak. FSDP2's
+    By default glibc mmaps every block above its threshold (raised towards 32 MiB as big blocks
+    are freed, but a block of the size just freed is mmapped again) and unmaps it on free, and
+    trims the heap's free top: a training step's tensors (activations, gradients, the loss's
+    buffers) are then faulted in afresh every step, a page fault per 4 KiB; "keep" ends that for
+    all but the largest, at the price of the RSS staying at its peak. FSDP2's
     per-block buffers (gathered parameters, unsharded gradients, reduce-scatter inputs) are the
     opposite case: kept in the heap they fragment, and a rank's peak RSS grows far past the
     sharded state the plan counts, so "release" gives them back. bench/results/ has the faults,
@@ -380,9 +384,10 @@ def keep_freed_blocks_after_first_step(optimizer: torch.optim.Optimizer) -> None
     def keep(*_):
         handle.remove()
         if set_cpu_allocator("keep"):
-            get_logger().info("CPU: glibc malloc keeps freed blocks for reuse from now on (no "
-                              "mmap, no trim): a step's buffers cost no page faults, and the RSS "
-                              "stays at its peak (set MALLOC_MMAP_MAX_ to choose another)")
+            get_logger().info("CPU: glibc malloc keeps freed blocks under %d MiB for reuse from "
+                              "now on: a step's buffers cost no page faults, and the RSS stays at "
+                              "its peak (set MALLOC_MMAP_THRESHOLD_ to choose another)",
+                              KEPT_MMAP_THRESHOLD >> 20)
 
     handle = optimizer.register_step_post_hook(keep)
 

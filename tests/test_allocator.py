@@ -1,5 +1,5 @@
 """pipeline.hardware.set_cpu_allocator, as build_optimizer and parallelize apply it: glibc malloc's policy for a
-training process's large blocks, checked by the page faults a 64 MiB tensor costs when it is
+training process's large blocks, checked by the page faults a 16 MiB buffer costs when it is
 allocated again after being freed (a step's buffers, step after step). Each case runs in a fresh
 process: mallopt's settings last for the process."""
 
@@ -13,9 +13,10 @@ import pytest
 
 from bench.common import ROOT
 
-PAGES = 2**26 // 4096  # pages of a 64 MiB buffer: above glibc's largest mmap threshold
+SIZE = 2**24  # 16 MiB: glibc's default mmaps a block of the size it just freed again
+PAGES = SIZE // 4096
 
-SCRIPT = """
+SCRIPT = f"""
 import ctypes, resource, sys, torch
 from pipeline.config import OptimConfig
 from pipeline.hardware import set_cpu_allocator
@@ -29,8 +30,8 @@ def faults_of_one_buffer():
     # its own small allocations beside them, a few rounds' noise that training steps outgrow
     # (bench/results/ has the RSS of long runs); the policy is malloc's.
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    p = libc.malloc(2**26)
-    ctypes.memset(p, 1, 2**26)
+    p = libc.malloc({SIZE})
+    ctypes.memset(p, 1, {SIZE})
     libc.free(ctypes.c_void_p(p))
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
@@ -53,7 +54,7 @@ print(applied, faults_of_one_buffer())
 
 
 def second_buffer_faults(how: str, **env: str) -> tuple[str, int]:
-    """(what the case printed first, the page faults of allocating and filling a 64 MiB buffer
+    """(what the case printed first, the page faults of allocating and filling a 16 MiB buffer
     once one has been freed)."""
     out = subprocess.run([sys.executable, "-c", SCRIPT, how], cwd=ROOT, check=True, timeout=120,
                          capture_output=True, text=True, env={**os.environ, **env}).stdout
@@ -62,7 +63,7 @@ def second_buffer_faults(how: str, **env: str) -> tuple[str, int]:
 
 
 def test_glibc_default_faults_every_large_buffer_in_again():
-    """The cost "keep" removes: without it every fresh 64 MiB buffer is faulted in page by page
+    """The cost "keep" removes: without it every fresh 16 MiB buffer is faulted in page by page
     (if this fails, malloc here is not glibc's and the cases below prove nothing)."""
     assert second_buffer_faults("default")[1] >= 0.9 * PAGES
 
