@@ -3,9 +3,9 @@
 lmforge's training step at bench/train_bench.py's shapes, each run a fresh process, two ways in
 interleaved rounds: as the pipeline runs (pipeline.hardware.set_cpu_allocator "keep", switched
 on after the optimizer's first step) and with glibc's defaults (the policy not applied: setting
-any MALLOC_*_ variable would also stop glibc adjusting its mmap threshold). Per way: median tok/s, page faults
-per step, the RSS after the warm-up steps and after the last, and the peak RSS; then the ratio
-kept / default of each, measured in the same run.
+any MALLOC_*_ variable would also stop glibc adjusting its mmap threshold). Per way: median
+tok/s, page faults per step, the RSS after the warm-up steps and after the last, and the peak
+RSS; then the ratio kept / default of each, measured in the same run.
 
     python -m bench.allocator_bench                       # A and B, eager and compiled, 3 rounds
     python -m bench.allocator_bench --shapes B --eager --steps 300 --rounds 1   # the RSS over time

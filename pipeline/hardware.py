@@ -361,10 +361,10 @@ def set_cpu_allocator(mode: str) -> bool:
     are freed, but a block of the size just freed is mmapped again) and unmaps it on free, and
     trims the heap's free top: a training step's tensors (activations, gradients, the loss's
     buffers) are then faulted in afresh every step, a page fault per 4 KiB; "keep" ends that for
-    all but the largest, at the price of the RSS staying at its peak. FSDP2's
-    per-block buffers (gathered parameters, unsharded gradients, reduce-scatter inputs) are the
-    opposite case: kept in the heap they fragment, and a rank's peak RSS grows far past the
-    sharded state the plan counts, so "release" gives them back. bench/results/ has the faults,
+    all but the largest, at the price of the RSS staying at its peak. FSDP2's per-block buffers
+    (gathered parameters, unsharded gradients, reduce-scatter inputs) are the opposite case: kept
+    in the heap they fragment, and a rank's peak RSS grows far past the sharded state the plan
+    counts, so "release" gives them back. bench/results/ has the faults,
     step times and peaks of both. Returns whether it was set: not when the user chose with a
     MALLOC_*_ variable, or malloc is not glibc's."""
     if any(k in os.environ for k in _USER_MALLOC_ENV):
