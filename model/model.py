@@ -122,10 +122,12 @@ def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None):
 
 def apply_rope(x_BTNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x[i], x[i + K/2]) by its angle: the half-split layout of Hugging Face
-    Llama's rotate_half, so q/k weights export unpermuted. roll swaps the halves in one op
-    (measured faster, forward + backward, than chunk + cat). cos/sin broadcast to (B, T, 1, K)."""
+    Llama's rotate_half, so q/k weights export unpermuted. The halves swap by slices and a cat:
+    compiled, its backward reads whole runs of each half, where roll's wrapped index made
+    inductor load element by element (bench/step_ab.py rope). cos/sin broadcast to (B, T, 1, K)."""
     cos, sin = cos.to(x_BTNK.dtype), sin.to(x_BTNK.dtype)
-    return x_BTNK * cos + x_BTNK.roll(x_BTNK.shape[-1] // 2, dims=-1) * sin
+    x1, x2 = x_BTNK.chunk(2, dim=-1)
+    return x_BTNK * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):

@@ -88,15 +88,18 @@ def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
 
 def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """Functional ops only, so that inductor can fuse them (it turns out= and in-place writes
-    into copies)."""
+    into copies). Column indices in int32 and no padding mask where the head has no padded
+    columns: every pass over the chunk compares them, and int64 vectors halve the lanes."""
     logits_CV = (h_CD @ w_VD.T).float()
-    cols_V = torch.arange(w_VD.shape[0], device=h_CD.device)
-    logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
+    cols_V = torch.arange(w_VD.shape[0], device=h_CD.device, dtype=torch.int32)
+    if vocab_size < w_VD.shape[0]:
+        logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
     lse_C = logits_CV.logsumexp(dim=-1)
     loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
     if not want_grad:
         return loss_C, None
-    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - (cols_V == safe_C[:, None]).float()
+    one_hot_CV = cols_V == safe_C.to(torch.int32)[:, None]
+    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - one_hot_CV.float()
     return loss_C, grad_CV.to(h_CD.dtype)
 
 

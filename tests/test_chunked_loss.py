@@ -98,6 +98,24 @@ def test_loss_and_gradients_equal_the_plain_path(reduction, chunk, tie, path):
         assert got[0, :5].eq(0).all()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_head_without_padding_columns_equals_the_plain_path(reduction, path):
+    """vocab_size a multiple of 64: no padded column, so FusedLoss builds no padding mask."""
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=1024))
+    assert model.cfg.padded_vocab_size == 1024
+    g = torch.Generator().manual_seed(1)
+    idx_BT, targets_BT = torch.randint(0, 1024, (2, 3, 16), generator=g)
+    targets_BT[:, -1] = 1023  # the last column: a target where a mask would have cut nothing
+    upstream = torch.rand(targets_BT.shape) if reduction == "none" else None
+    ref, ref_grads = loss_and_grads(model, lambda: plain_loss(model, idx_BT, targets_BT, reduction), upstream)
+    got, grads = loss_and_grads(
+        model, lambda: model(idx_BT, targets_BT, reduction=reduction, loss_fn=path(7)), upstream)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op produces (forward and backward)."""
 

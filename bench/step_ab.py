@@ -1,0 +1,120 @@
+"""A change to one function of lmforge's training step, measured against what it replaced, paired
+within one process: step after step, the shipped function and its predecessor alternate on the
+same model, batch and optimizer (bench/train_bench.py's lmforge step). On a noisy machine the
+ratio of neighbouring steps holds where the fresh processes of train_bench drift by 10-30 %.
+Compiled, each function gets its own graph (dynamo guards on the function), both warm before
+timing.
+
+    python -m bench.step_ab rope --shape B --compile      # model.model.apply_rope
+    python -m bench.step_ab loss --shape A --compile      # pipeline.loss._fused_body
+    python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
+    python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
+
+Prints each function's median step (or decode rate) and the median of the paired ratios
+before / shipped (> 1: the shipped function is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench import train_bench as tb
+from bench.common import header
+
+WARMUP = 2
+
+
+def rope_by_roll(x_BTNK, cos, sin):
+    """apply_rope before: the halves swapped by one roll."""
+    cos, sin = cos.to(x_BTNK.dtype), sin.to(x_BTNK.dtype)
+    return x_BTNK * cos + x_BTNK.roll(x_BTNK.shape[-1] // 2, dims=-1) * sin
+
+
+def fused_body_int64(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
+    """FusedLoss's chunk body before: int64 column indices, the padding mask always applied."""
+    logits_CV = (h_CD @ w_VD.T).float()
+    cols_V = torch.arange(w_VD.shape[0], device=h_CD.device)
+    logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
+    lse_C = logits_CV.logsumexp(dim=-1)
+    loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
+    if not want_grad:
+        return loss_C, None
+    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - (cols_V == safe_C[:, None]).float()
+    return loss_C, grad_CV.to(h_CD.dtype)
+
+
+# name: (module, attribute, the function it replaced)
+SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
+         "loss": ("pipeline.loss", "_fused_body", fused_body_int64)}
+
+
+def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:
+    from model import GPT, SamplingParams, generate
+
+    torch.manual_seed(0)
+    model = GPT(r.model_config()).eval()
+    prompt = torch.randint(0, r.vocab, (1, 16)).tolist()
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0)
+    return lambda: generate(model, prompt, greedy)
+
+
+def paired(run_once: Callable[[], None], module, attr: str, fns: dict, pairs: int) -> dict:
+    """Seconds of each call, alternating the functions (and their order) call after call."""
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    shipped = getattr(module, attr)
+    try:
+        for i in range(WARMUP + pairs):
+            for name in fns if i % 2 == 0 else reversed(list(fns)):
+                setattr(module, attr, fns[name])
+                t0 = time.perf_counter()
+                run_once()
+                if i >= WARMUP:
+                    seconds[name].append(time.perf_counter() - t0)
+    finally:
+        setattr(module, attr, shipped)
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("swap", choices=list(SWAPS))
+    p.add_argument("--shape", choices=list(tb.SHAPES), default="B")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--pairs", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="train_bench's tiny shapes: the code path")
+    p.add_argument("--decode", action="store_true", help="time KV-cache decoding (128 tokens, "
+                   "batch 1, fp32, eager) instead of the training step")
+    a = p.parse_args()
+
+    from pipeline.hardware import auto_dtype, dtype_name
+
+    module_name, attr, before = SWAPS[a.swap]
+    module = importlib.import_module(module_name)
+    fns = {"shipped": getattr(module, attr), "before": before}
+    dtype = dtype_name(auto_dtype(torch.device("cpu"))[0]) if a.dtype == "auto" else a.dtype
+    shapes, dims = (tb.SMOKE_SHAPES, tb.SMOKE) if a.smoke else (tb.SHAPES, tb.FULL)
+    r = tb.Run("lmforge", shapes[a.shape], a.compile, "cpu", dtype, **dims)
+    run_once = decode_once(r, 128) if a.decode else tb.training_step(r)
+    seconds = paired(run_once, module, attr, fns, a.pairs)
+    what = "decode, fp32" if a.decode else f"{'compiled' if a.compile else 'eager'}, {dtype}"
+    print(header())
+    print(f"{module_name}.{attr}: shipped vs before, shape {a.shape} (V {r.vocab}), {what}, "
+          f"{a.pairs} pairs after {WARMUP} warm-up")
+    for name, s in seconds.items():
+        print(f"  {name:8} median {statistics.median(s) * 1e3:8.1f} ms  "
+              f"(min {min(s) * 1e3:.1f}, max {max(s) * 1e3:.1f})")
+    ratios = [b / s for b, s in zip(seconds["before"], seconds["shipped"])]
+    q = statistics.quantiles(ratios, n=4)
+    print(f"  before / shipped, paired: median {statistics.median(ratios):.3f}x "
+          f"(quartiles {q[0]:.3f}-{q[2]:.3f})")
+
+
+if __name__ == "__main__":
+    main()

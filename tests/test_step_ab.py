@@ -1,0 +1,55 @@
+"""bench/step_ab.py compares like with like: each predecessor it times computes what the shipped
+function computes, the bench puts the shipped one back when done, and its CLI runs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from bench import step_ab
+from bench.runs import run
+from model.model import apply_rope, rope_tables
+from model import ModelConfig
+from pipeline.loss import _fused_body
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_by_roll_is_the_shipped_rotation(dtype):
+    cfg = ModelConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, d_model=64, max_seq_len=16)
+    cos, sin = rope_tables(cfg)
+    x_BTNK = torch.randn(2, 16, 6, cfg.head_dim).to(dtype)
+    torch.testing.assert_close(step_ab.rope_by_roll(x_BTNK, cos[:, None], sin[:, None]),
+                               apply_rope(x_BTNK, cos[:, None], sin[:, None]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 1024])  # with padded columns and without
+def test_int64_body_is_the_shipped_loss_body(vocab_size):
+    torch.manual_seed(0)
+    h_CD, w_VD = torch.randn(24, 16), torch.randn(1024, 16)
+    safe_C = torch.randint(0, vocab_size, (24,))
+    ref = step_ab.fused_body_int64(h_CD, w_VD, safe_C, vocab_size, None, True)
+    got = _fused_body(h_CD, w_VD, safe_C, vocab_size, None, True)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_paired_alternates_and_puts_the_shipped_function_back():
+    class Module:
+        fn = staticmethod(lambda: "shipped")
+
+    calls = []
+    fns = {"shipped": Module.fn, "before": lambda: "before"}
+    seconds = step_ab.paired(lambda: calls.append(Module.fn()), Module, "fn", fns, pairs=3)
+    assert [len(s) for s in seconds.values()] == [3, 3]
+    # every round runs both, the order alternating: no function always runs first
+    assert calls == ["shipped", "before", "before", "shipped"] * 2 + ["shipped", "before"] * 1
+    assert Module.fn() == "shipped"
+
+
+def test_cli_smoke_prints_the_paired_ratio():
+    out = run([sys.executable, "-m", "bench.step_ab", "rope", "--smoke", "--pairs", "2",
+               "--dtype", "fp32"], timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "before / shipped, paired: median" in out.stdout
