@@ -350,8 +350,9 @@ def summary(s: str, med: dict, peak_mb: dict, res: dict, mfu: dict, native: bool
         rel = nm[best] / nm["gpt2", True]
         out.append(line("non-matmul ms, lmforge's best / gpt2 compiled", f"{nm[best]:.0f} / "
                         f"{nm['gpt2', True]:.0f} ms = {rel:.2f}x", "<= 0.6x", rel <= 0.6))
-    mem = peak_mb[best] / hf_eager_mem
-    out.append(line("peak memory / HF eager's", f"{mem:.2f}x", "<= 0.5x", mem <= 0.5))
+    if s == "A":  # the memory target; at B the process's own baseline is most of a peak
+        mem = peak_mb[best] / hf_eager_mem
+        out.append(line("peak memory / HF eager's", f"{mem:.2f}x", "<= 0.5x", mem <= 0.5))
     return out
 
 
