@@ -8,10 +8,13 @@ timing.
     python -m bench.step_ab rope --shape B --compile      # model.model.apply_rope
     python -m bench.step_ab loss --shape A --compile      # pipeline.loss._fused_body
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
+    python -m bench.step_ab peers --shape B --dtype fp32  # train_bench's configurations, paired
     python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
 
-Prints each function's median step (or decode rate) and the median of the paired ratios
-before / shipped (> 1: the shipped function is faster).
+Prints each function's median step (or decode call) and the median of the paired time ratios
+before / shipped (> 1: the shipped function is faster). `peers`: train_bench's configurations
+(lmforge compiled and eager, GPT-2 and HF compiled), each its own model, alternating the same
+way; time ratios each / lmforge compiled (> 1: lmforge compiled is faster).
 """
 
 from __future__ import annotations
@@ -64,26 +67,61 @@ def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:
     return lambda: generate(model, prompt, greedy)
 
 
+def alternating(calls: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each call per round after WARMUP rounds, the order reversed every other round
+    (no call always runs first)."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(WARMUP + rounds):
+        for name in calls if i % 2 == 0 else reversed(list(calls)):
+            t0 = time.perf_counter()
+            calls[name]()
+            if i >= WARMUP:
+                seconds[name].append(time.perf_counter() - t0)
+    return seconds
+
+
 def paired(run_once: Callable[[], None], module, attr: str, fns: dict, pairs: int) -> dict:
-    """Seconds of each call, alternating the functions (and their order) call after call."""
-    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    """alternating() of run_once with module.attr set to each of fns; the shipped one put back."""
     shipped = getattr(module, attr)
+
+    def with_fn(fn):
+        def call():
+            setattr(module, attr, fn)
+            run_once()
+        return call
+
     try:
-        for i in range(WARMUP + pairs):
-            for name in fns if i % 2 == 0 else reversed(list(fns)):
-                setattr(module, attr, fns[name])
-                t0 = time.perf_counter()
-                run_once()
-                if i >= WARMUP:
-                    seconds[name].append(time.perf_counter() - t0)
+        return alternating({name: with_fn(fn) for name, fn in fns.items()}, pairs)
     finally:
         setattr(module, attr, shipped)
-    return seconds
+
+
+def report(seconds: dict[str, list[float]], ref: str) -> list[str]:
+    """Each call's median, and the median (and quartiles) of its time over `ref`'s, paired round
+    by round (> 1: `ref` is the faster)."""
+    lines = []
+    for name, s in seconds.items():
+        line = (f"  {name:18} median {statistics.median(s) * 1e3:8.1f} ms  "
+                f"(min {min(s) * 1e3:.1f}, max {max(s) * 1e3:.1f})")
+        if name != ref:
+            ratios = [x / r for x, r in zip(s, seconds[ref])]
+            q = statistics.quantiles(ratios, n=4)
+            line += (f"  {name} / {ref}, paired: {statistics.median(ratios):.3f}x "
+                     f"(quartiles {q[0]:.3f}-{q[2]:.3f})")
+        lines.append(line)
+    return lines
+
+
+def peers(shapes, dims, shape: str, dtype: str) -> dict[str, Callable[[], None]]:
+    """train_bench's configurations at one shape, each a step of its own model in this process."""
+    configs = [("lmforge", True), ("lmforge", False), ("gpt2", True), ("hf", True)]
+    return {tb.name(impl, c): tb.training_step(tb.Run(impl, shapes[shape], c, "cpu", dtype, **dims))
+            for impl, c in configs}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("swap", choices=list(SWAPS))
+    p.add_argument("swap", choices=[*SWAPS, "peers"])
     p.add_argument("--shape", choices=list(tb.SHAPES), default="B")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
@@ -95,25 +133,26 @@ def main() -> None:
 
     from pipeline.hardware import auto_dtype, dtype_name
 
-    module_name, attr, before = SWAPS[a.swap]
-    module = importlib.import_module(module_name)
-    fns = {"shipped": getattr(module, attr), "before": before}
     dtype = dtype_name(auto_dtype(torch.device("cpu"))[0]) if a.dtype == "auto" else a.dtype
     shapes, dims = (tb.SMOKE_SHAPES, tb.SMOKE) if a.smoke else (tb.SHAPES, tb.FULL)
+    if a.swap == "peers":
+        seconds = alternating(peers(shapes, dims, a.shape, dtype), a.pairs)
+        print(header())
+        print(f"train_bench's configurations, shape {a.shape} (V {shapes[a.shape]}), {dtype}, "
+              f"{a.pairs} rounds after {WARMUP} warm-up, one process")
+        print("\n".join(report(seconds, tb.name("lmforge", True))))
+        return
+    module_name, attr, before = SWAPS[a.swap]
+    module = importlib.import_module(module_name)
     r = tb.Run("lmforge", shapes[a.shape], a.compile, "cpu", dtype, **dims)
     run_once = decode_once(r, 128) if a.decode else tb.training_step(r)
-    seconds = paired(run_once, module, attr, fns, a.pairs)
+    seconds = paired(run_once, module, attr, {"shipped": getattr(module, attr), "before": before},
+                     a.pairs)
     what = "decode, fp32" if a.decode else f"{'compiled' if a.compile else 'eager'}, {dtype}"
     print(header())
     print(f"{module_name}.{attr}: shipped vs before, shape {a.shape} (V {r.vocab}), {what}, "
           f"{a.pairs} pairs after {WARMUP} warm-up")
-    for name, s in seconds.items():
-        print(f"  {name:8} median {statistics.median(s) * 1e3:8.1f} ms  "
-              f"(min {min(s) * 1e3:.1f}, max {max(s) * 1e3:.1f})")
-    ratios = [b / s for b, s in zip(seconds["before"], seconds["shipped"])]
-    q = statistics.quantiles(ratios, n=4)
-    print(f"  before / shipped, paired: median {statistics.median(ratios):.3f}x "
-          f"(quartiles {q[0]:.3f}-{q[2]:.3f})")
+    print("\n".join(report(seconds, "shipped")))
 
 
 if __name__ == "__main__":

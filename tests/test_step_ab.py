@@ -52,4 +52,9 @@ def test_cli_smoke_prints_the_paired_ratio():
     out = run([sys.executable, "-m", "bench.step_ab", "rope", "--smoke", "--pairs", "2",
                "--dtype", "fp32"], timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "before / shipped, paired: median" in out.stdout
+    assert "before / shipped, paired:" in out.stdout
+
+
+def test_report_ratio_is_each_time_over_the_reference():
+    lines = step_ab.report({"shipped": [1.0, 1.0, 1.0], "before": [1.2, 1.1, 1.3]}, "shipped")
+    assert "before / shipped, paired: 1.200x" in lines[1] and "paired" not in lines[0]
