@@ -88,8 +88,9 @@ def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
 
 def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """Functional ops only, so that inductor can fuse them (it turns out= and in-place writes
-    into copies). Column indices in int32 and no padding mask where the head has no padded
-    columns: every pass over the chunk compares them, and int64 vectors halve the lanes."""
+    into copies). Column indices in int32, and no padding mask where the head has no padded
+    column: every pass over the chunk compares them, and an int64 compare takes twice the
+    vectors (bench/step_ab.py loss)."""
     logits_CV = (h_CD @ w_VD.T).float()
     cols_V = torch.arange(w_VD.shape[0], device=h_CD.device, dtype=torch.int32)
     if vocab_size < w_VD.shape[0]:
