@@ -95,8 +95,8 @@ def main() -> None:
             print(f"{s:5} {'compiled' if c else 'eager':9} {w:8} "
                   + " ".join(f"{med[w][k]:9.0f}" for k in keys))
         ratio = {k: med["kept"][k] / med["default"][k] for k in ("tok_s", "peak")}
-        print(f"{s:5} {'compiled' if c else 'eager':9} kept / default: tok/s {ratio['tok_s']:.2f}x, "
-              f"peak RSS {ratio['peak']:.2f}x; RSS from step {WARMUP} to {a.steps}: "
+        print(f"{s:5} {'compiled' if c else 'eager':9} kept / default: "
+              f"tok/s {ratio['tok_s']:.2f}x, peak RSS {ratio['peak']:.2f}x; RSS from step {WARMUP} to {a.steps}: "
               f"{med['kept']['rss_last'] - med['kept']['rss_warm']:+.0f} MB kept, "
               f"{med['default']['rss_last'] - med['default']['rss_warm']:+.0f} MB default")
 

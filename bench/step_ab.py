@@ -114,7 +114,7 @@ def report(seconds: dict[str, list[float]], ref: str) -> list[str]:
 
 def peers(shapes, dims, shape: str, dtype: str) -> dict[str, Callable[[], None]]:
     """train_bench's configurations at one shape, each a step of its own model in this process."""
-    configs = [("lmforge", True), ("lmforge", False), ("gpt2", True), ("hf", True)]
+    configs = [(impl, c) for impl, c in tb.IMPLS if c or impl == "lmforge"]  # HF eager left out
     return {tb.name(impl, c): tb.training_step(tb.Run(impl, shapes[shape], c, "cpu", dtype, **dims))
             for impl, c in configs}
 

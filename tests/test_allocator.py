@@ -1,6 +1,6 @@
-"""pipeline.hardware.set_cpu_allocator, as build_optimizer and parallelize apply it: glibc malloc's policy for a
-training process's large blocks, checked by the page faults a 16 MiB buffer costs when it is
-allocated again after being freed (a step's buffers, step after step). Each case runs in a fresh
+"""pipeline.hardware.set_cpu_allocator, as build_optimizer and parallelize apply it: glibc
+malloc's policy for a training process's large blocks, checked by the page faults a 16 MiB buffer
+costs when it is allocated again after being freed (a step's buffers, step after step). Each case runs in a fresh
 process: mallopt's settings last for the process."""
 
 from __future__ import annotations

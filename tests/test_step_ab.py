@@ -10,8 +10,8 @@ import torch
 
 from bench import step_ab
 from bench.runs import run
-from model.model import apply_rope, rope_tables
 from model import ModelConfig
+from model.model import apply_rope, rope_tables
 from pipeline.loss import _fused_body
 
 
