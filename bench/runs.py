@@ -74,8 +74,9 @@ def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun") -> li
     raise ValueError(launcher)
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+def start(cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` in the repository root with env() (and extra_env over it)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -110,9 +111,10 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def run(cmd: list[str], timeout: float = 240, retries: int = 1) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float = 240, retries: int = 1,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     for attempt in range(retries + 1):
-        proc = start(cmd)
+        proc = start(cmd, extra_env)
         try:
             out, _ = proc.communicate(timeout=timeout)
             return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
@@ -124,9 +126,10 @@ def run(cmd: list[str], timeout: float = 240, retries: int = 1) -> subprocess.Co
     raise AssertionError("unreachable")
 
 
-def train(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: float = 240):
+def train(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: float = 240,
+          extra_env: dict[str, str] | None = None):
     """Run to completion and assert success; returns the CompletedProcess."""
-    res = run(train_cmd(args, nproc, launcher), timeout=timeout)
+    res = run(train_cmd(args, nproc, launcher), timeout=timeout, extra_env=extra_env)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}"
     return res
 

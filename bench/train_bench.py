@@ -284,9 +284,10 @@ def memory_section(base: Run, impls: list[tuple[str, bool]]) -> None:
 
 
 def cold_compile(shapes: dict[str, int], base: Run, res: dict) -> None:
-    """lmforge's first compiled step with an empty inductor cache, less a steady step: the cost
-    train.compile = auto allows for on CPU (pipeline.compile_policy.COLD_COMPILE_ALLOWANCE_S per
-    graph), and what the measured gain repays it in."""
+    """lmforge's first compiled step with an empty inductor cache, less a steady step: what a
+    run files as its cold compile in the compile ledger (pipeline.compile_policy; until one has,
+    train.compile = auto allows COLD_COMPILE_ALLOWANCE_S a graph), and what the measured gain
+    repays it in."""
     print("\ncold compile of lmforge (empty inductor cache; first step - steady step):")
     for s, vocab in shapes.items():
         with tempfile.TemporaryDirectory() as cache:

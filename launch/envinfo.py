@@ -22,7 +22,13 @@ import torch.distributed as dist
 from launch.cli import ArgumentParser
 from model import ModelConfig
 from pipeline import attention, hardware
-from pipeline.compile_policy import resolve_compile, step_model, threshold_s
+from pipeline.compile_policy import (
+    ledger_path,
+    ledger_size,
+    resolve_compile,
+    step_model,
+    threshold_s,
+)
 from pipeline.materialize import meta_gpt
 
 # configs/tiny.toml's model with the demo's 4096-id BPE: what the compile rule is stated for.
@@ -96,7 +102,9 @@ def compile_rule(device: torch.device, attend: str) -> dict:
     t = threshold_s(steps.gain)
     return {"rule": f"on cpu when a run's estimated eager time reaches {t / 60:.0f} min for the "
                     f"demo's model in {hardware.dtype_name(dtype)} (compiled est. "
-                    f"{steps.gain:.2f}x faster), else off; each run logs its own estimate",
+                    f"{steps.gain:.2f}x faster), else off; each run logs its own estimate, "
+                    f"with what runs of its shape measured here ({ledger_size()} shapes in "
+                    f"{ledger_path()})",
             "threshold_s": t, "gain": steps.gain}
 
 

@@ -7,22 +7,39 @@ matmul FLOPs at the peak, plus the bytes its elementwise work moves at the bandw
 leaves the matmuls as they are and fuses the elementwise work, so it gains where the peak is high
 against the bandwidth (native bf16, GPUs) and little where matmuls dominate (fp32 on AVX2).
 
-The pass counts below are design estimates read off the code, not measurements; what a machine
-really gains and what its cold compile costs is measured by bench/train_bench.py (results in
-bench/results/, with the CPU kind).
+The pass counts below are design estimates read off the code, not measurements. What a run
+measures replaces them: every CPU run writes its steady step time (eager or compiled) and, compiled,
+its cold compile (first step minus a steady one) to this machine's ledger, `compile_ledger.json`
+in $LMFORGE_CACHE_DIR (default ~/.cache/lmforge), under a key of everything that sets them (torch,
+CPU model, threads, ranks, dtype, parallelism, attention, micro-batch, sequence length, model).
+A later auto decision at the same key takes the measured gain where both modes were timed and the
+measured cold compile where one compiled, and says which figures it measured. bench/train_bench.py
+measures both at its shapes, bench/compile_auto.py the decision before and after the ledger
+(results in bench/results/, with the CPU kind).
+
+Rank 0 decides and every rank takes its decision; the decision is written into the run's config
+(train.compile on|off), so a resumed run compiles as the run it continues.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from model import GPT
+from model import GPT, ModelConfig
 from pipeline.config import TrainConfig
-from pipeline.distributed import DistInfo
-from pipeline.hardware import matmul_peak, memory_bandwidth
+from pipeline.distributed import DistInfo, broadcast_from_main
+from pipeline.hardware import cpu_model, dtype_name, matmul_peak, memory_bandwidth
 from pipeline.metrics import get_logger
+from pipeline.parallelize import resolve_parallel
 
 log = get_logger()
 
@@ -41,12 +58,20 @@ EAGER_VALUES_HEAD_V, FUSED_VALUES_HEAD_V = 9, 4
 # write, their backward ~3: ~5. SDPA runs the same kernels compiled or not: no term.
 EAGER_VALUES_PER_SCORE, FUSED_VALUES_PER_SCORE = 7, 5
 VALUE_BYTES = 4  # elementwise work runs in fp32 also under bf16 autocast (norms, softmax)
-# The cold compile the rule allows for, per graph (training's and eval's): a budget the design
-# sets, of the order bench/train_bench.py measures on 2 CPU cores (bench/results/).
+# The cold compile of the training graph the rule allows for until this machine has measured one
+# at the run's key: a budget the design sets, of the order bench/train_bench.py measures on 2 CPU
+# cores (bench/results/).
 COLD_COMPILE_ALLOWANCE_S = 20.0
-GRAPHS = 2
-# The estimates above are rough: compile only when the run repays the allowance twice.
+# The cold compiles a run pays, in training graphs: eval's (forward only, no AOT backward),
+# compiled after training's, takes about a third of its time (bench/compile_auto.py prints both).
+GRAPHS = 4 / 3
+# The estimates above are rough: compile only when the run repays the cold compiles twice; where
+# the gain and the cold compile are both measured here, once.
 MARGIN = 2.0
+LEDGER_ENV, LEDGER_FILE, LEDGER_VERSION = "LMFORGE_CACHE_DIR", "compile_ledger.json", 1
+MEASURED_STEPS = 8
+"""Steps a run times before it first files them in the ledger: the first (the compile) and the
+median of the next seven."""
 
 
 @dataclass(frozen=True)
@@ -87,27 +112,182 @@ def step_model(model: GPT, seq_len: int, peak: float, bandwidth: float,
                                    FUSED_VALUES_HEAD_V))
 
 
-def threshold_s(gain: float) -> float:
-    """The shortest eager run (seconds) whose compile repays MARGIN x the allowed cold compiles."""
+def threshold_s(gain: float, cold_s: float = COLD_COMPILE_ALLOWANCE_S,
+                margin: float = MARGIN) -> float:
+    """The shortest eager run (seconds) whose compile repays `margin` x the run's cold compiles,
+    GRAPHS x cold_s (the training graph's: by default the design's allowance)."""
     saved = 1 - 1 / gain
-    return float("inf") if saved <= 0 else MARGIN * GRAPHS * COLD_COMPILE_ALLOWANCE_S / saved
+    return float("inf") if saved <= 0 else margin * GRAPHS * cold_s / saved
 
 
 def resolve_compile(requested: str, device: torch.device, est_eager_run_s: float | None = None,
-                    gain: float | None = None) -> bool:
+                    gain: float | None = None, cold_s: float = COLD_COMPILE_ALLOWANCE_S,
+                    margin: float = MARGIN) -> bool:
     """train.compile on|off|auto -> whether to compile. auto: always on CUDA; on CPU when the
-    run's estimated eager seconds (None = unknown: no) reach threshold_s(gain)."""
+    run's estimated eager seconds (None = unknown: no) reach threshold_s(gain, cold_s, margin)."""
     if requested != "auto":
         return requested == "on"
     if torch.device(device).type == "cuda":
         return True
-    return est_eager_run_s is not None and gain is not None and est_eager_run_s >= threshold_s(gain)
+    return (est_eager_run_s is not None and gain is not None
+            and est_eager_run_s >= threshold_s(gain, cold_s, margin))
+
+
+# ------------------------------------------------------------- what this machine has measured
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A ledger entry: steady seconds per token (on one rank) eager and compiled, and the cold
+    compile of the training graph; None where no run at this key measured it."""
+
+    eager_s: float | None = None
+    compiled_s: float | None = None
+    cold_compile_s: float | None = None
+
+
+def ledger_path() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmforge"
+    return Path(os.environ.get(LEDGER_ENV) or cache) / LEDGER_FILE
+
+
+def run_key(m: ModelConfig, t: TrainConfig, seq_len: int, dtype: torch.dtype,
+            info: DistInfo) -> dict:
+    """Everything a step's time and its compile depend on, as the ledger files it."""
+    return {"torch": torch.__version__, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "ranks": info.world_size, "dtype": dtype_name(dtype), "attention": t.attention,
+            "parallel": resolve_parallel(t.parallel, info), "micro_batch": t.micro_batch_size,
+            "checkpointing": t.activation_checkpointing, "seq_len": seq_len, "model": m.to_dict()}
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _entries() -> dict:
+    path = ledger_path()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("compile ledger %s unreadable (%s): ignored; delete it to start afresh", path, e)
+        return {}
+    if not (isinstance(data, dict) and data.get("version") == LEDGER_VERSION
+            and isinstance(data.get("runs"), dict)):
+        log.warning("compile ledger %s is not a version-%d ledger: ignored", path, LEDGER_VERSION)
+        return {}
+    return data["runs"]
+
+
+def ledger_size() -> int:
+    """Run keys this machine's ledger holds measurements for."""
+    return len(_entries())
+
+
+def measured(key: dict) -> Measured:
+    """What runs at `key` measured on this machine (nothing where the ledger has no entry)."""
+    entry = _entries().get(_digest(key))
+    entry = entry if isinstance(entry, dict) else {}
+
+    def seconds(name: str, least: float = 0.0) -> float | None:  # a hand-edited entry: ignored
+        v = entry.get(name)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and least <= v < float("inf")
+        return float(v) if ok and (v > 0 or least == 0) else None
+
+    return Measured(seconds("eager_s", 1e-12), seconds("compiled_s", 1e-12),
+                    seconds("cold_compile_s"))
+
+
+def record(key: dict, **figures: float) -> None:
+    """Merge `figures` into the ledger entry at `key`: a replaced file (a reader never sees half
+    of one); a ledger that cannot be written is only a warning."""
+    path, runs = ledger_path(), _entries()
+    old = runs.get(_digest(key))
+    runs[_digest(key)] = {**(old if isinstance(old, dict) else {}), **figures, "key": key,
+                          "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{LEDGER_FILE}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": LEDGER_VERSION, "runs": runs}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("compile ledger %s not written (%s): train.compile = auto keeps estimating; "
+                    "set %s to a writable directory", path, e, LEDGER_ENV)
+
+
+class StepMeter:
+    """Times a CPU run's steps into the ledger (rank 0's): the median steady step per token in
+    the run's mode and, compiled, the first step's excess over it (the cold compile); filed once
+    MEASURED_STEPS are timed (a run killed later still leaves them) and again, from every step,
+    at the run's end."""
+
+    def __init__(self, key: dict, compiled: bool, tokens_per_step: float):
+        self.key, self.compiled, self.tokens = key, compiled, tokens_per_step
+        self.seconds: list[float] = []
+
+    def step_done(self, step_s: float) -> None:
+        self.seconds.append(step_s)
+        if len(self.seconds) == MEASURED_STEPS:
+            self._file()
+
+    def finish(self) -> None:
+        if len(self.seconds) > MEASURED_STEPS:
+            self._file()
+
+    def _file(self) -> None:
+        steady = statistics.median(self.seconds[1:])
+        if self.compiled:
+            record(self.key, compiled_s=steady / self.tokens,
+                   cold_compile_s=max(0.0, self.seconds[0] - steady))
+        else:
+            record(self.key, eager_s=steady / self.tokens)
+
+
+# ------------------------------------------------------------------------------ the decision
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """An auto decision's figures on CPU, each from the ledger where it has one."""
+
+    eager_run_s: float
+    gain: float
+    cold_s: float  # per graph
+    steps: StepModel  # the roofline, for what the ledger lacks
+    seen: Measured
+
+    @property
+    def margin(self) -> float:
+        s = self.seen
+        return 1.0 if s.eager_s and s.compiled_s and s.cold_compile_s is not None else MARGIN
+
+    @property
+    def threshold_s(self) -> float:
+        return threshold_s(self.gain, self.cold_s, self.margin)
+
+    @property
+    def on(self) -> bool:
+        return resolve_compile("auto", torch.device("cpu"), self.eager_run_s, self.gain,
+                               self.cold_s, self.margin)
+
+    def why(self) -> str:
+        s, roof = self.seen, self.steps
+        step = "its step measured here" if s.eager_s else "a roofline estimate"
+        gain = ("measured here" if s.eager_s and s.compiled_s else
+                f"estimated: matmuls {100 * roof.matmul_s / roof.eager_s:.0f} % of an eager step")
+        cold = "measured here" if s.cold_compile_s is not None else "the design's allowance"
+        run_s = f"{self.eager_run_s:.{0 if self.eager_run_s >= 10 else 1}f}"
+        return (f"eager run {run_s} s ({step}), compiled {self.gain:.2f}x faster "
+                f"({gain}), cold compile {self.cold_s:.0f} s for training's graph ({cold}) and a "
+                f"third of it for eval's: compile pays from {self.threshold_s:.0f} s")
 
 
 def estimate(model: GPT, train_cfg: TrainConfig, seq_len: int, dtype: torch.dtype,
-             info: DistInfo) -> tuple[float, StepModel] | None:
-    """(seconds the run's steps would take eagerly, capped by train.time_budget_s; the step
-    model) on this CPU; None off CPU or without a peak."""
+             info: DistInfo, seen: Measured = Measured()) -> Estimate | None:
+    """The figures train.compile = auto weighs for this run on this CPU (the eager run capped by
+    train.time_budget_s); None off CPU or without a peak."""
     if info.device.type != "cpu":
         return None
     peak = matmul_peak(info.device, dtype)
@@ -115,20 +295,38 @@ def estimate(model: GPT, train_cfg: TrainConfig, seq_len: int, dtype: torch.dtyp
         return None
     steps = step_model(model, seq_len, peak, memory_bandwidth(info.device), train_cfg.attention)
     tokens = train_cfg.global_batch_tokens * train_cfg.max_steps / info.world_size
-    eager_s = tokens * steps.eager_s
-    return (min(eager_s, train_cfg.time_budget_s) if train_cfg.time_budget_s else eager_s), steps
+    eager_s = tokens * (seen.eager_s or steps.eager_s)
+    if train_cfg.time_budget_s:
+        eager_s = min(eager_s, train_cfg.time_budget_s)
+    gain = seen.eager_s / seen.compiled_s if seen.eager_s and seen.compiled_s else steps.gain
+    cold = COLD_COMPILE_ALLOWANCE_S if seen.cold_compile_s is None else seen.cold_compile_s
+    return Estimate(eager_s, gain, cold, steps, seen)
 
 
 def decide(model: GPT, train_cfg: TrainConfig, seq_len: int, dtype: torch.dtype,
-           info: DistInfo) -> bool:
-    """train.compile for this run, with one log line saying why when auto decides on CPU."""
-    est = estimate(model, train_cfg, seq_len, dtype, info) if train_cfg.compile == "auto" else None
-    if est is None:
-        return resolve_compile(train_cfg.compile, info.device)
-    eager_s, steps = est
-    on = resolve_compile("auto", info.device, eager_s, steps.gain)
-    log.info("train.compile = auto -> %s on CPU: estimated eager run %.0f s, compiled %.2fx "
-             "faster (matmuls %.0f %% of an eager step), so compile pays from %.0f s",
-             "on" if on else "off", eager_s, steps.gain, 100 * steps.matmul_s / steps.eager_s,
-             threshold_s(steps.gain))
-    return on
+           info: DistInfo, started_with: str | None = None) -> bool:
+    """train.compile for this run: on|off as set; auto resolved by rank 0 (with one log line
+    saying why on CPU) and taken by every rank, or kept from the run it resumes (started_with:
+    that run's resolved train.compile). train_cfg.attention: resolved."""
+    if train_cfg.compile != "auto":
+        return train_cfg.compile == "on"
+    if started_with in ("on", "off"):
+        log.info("train.compile = auto -> %s: the choice this run started with", started_with)
+        return started_with == "on"
+    on = torch.zeros(1, dtype=torch.int32, device=info.device)
+    if info.is_main:
+        key = run_key(model.cfg, train_cfg, seq_len, dtype, info)
+        est = estimate(model, train_cfg, seq_len, dtype, info, measured(key))
+        on[0] = resolve_compile("auto", info.device) if est is None else est.on
+        if est is not None:
+            log.info("train.compile = auto -> %s on CPU: %s", "on" if on else "off", est.why())
+    return bool(broadcast_from_main(on, info).item())
+
+
+def meter(model: GPT, train_cfg: TrainConfig, seq_len: int, dtype: torch.dtype,
+          info: DistInfo) -> StepMeter | None:
+    """The ledger's step timer for this run: rank 0 of a CPU run (train_cfg: resolved)."""
+    if not info.is_main or info.device.type != "cpu":
+        return None
+    return StepMeter(run_key(model.cfg, train_cfg, seq_len, dtype, info),
+                     train_cfg.compile == "on", train_cfg.global_batch_tokens / info.world_size)

@@ -73,8 +73,9 @@ class TrainConfig:
     samples are probed apart (decode steps) and may run in fp32 where training runs in bf16."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the forward with its loss; auto = on for CUDA, and on CPU when the run's
-    estimated eager time (a roofline from the measured matmul peak and memory bandwidth) repays
-    the cold compiles twice over; the run logs the estimate: see pipeline.compile_policy."""
+    estimated eager time (a roofline from the measured matmul peak and memory bandwidth, or what
+    runs of this shape measured on this machine: its compile ledger) repays the cold compiles;
+    the run logs why and keeps the choice on resume: see pipeline.compile_policy."""
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     """Attention kernel: sdpa (F.scaled_dot_product_attention: flash, O(T) memory) or eager
     (matmul, softmax, matmul: saves each layer's T x T probabilities). auto = sdpa on CUDA; on

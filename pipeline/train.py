@@ -107,12 +107,12 @@ def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) ->
     return prompts
 
 
-def build_parallel(model: GPT, train_cfg: TrainConfig, seq_len: int, precision: Precision,
+def build_parallel(model: GPT, train_cfg: TrainConfig, precision: Precision,
                    info: DistInfo) -> ParallelModel:
-    """train_cfg.attention resolved (pipeline.attention.resolve)."""
+    """train_cfg.attention and .compile resolved (Trainer._resolve_choices)."""
     return parallelize(
         model, info, parallel=resolve_parallel(train_cfg.parallel, info), precision=precision,
-        compile_model=compile_policy.decide(model, train_cfg, seq_len, precision.dtype, info),
+        compile_model=train_cfg.compile == "on",
         activation_checkpointing=train_cfg.activation_checkpointing,
         attend=attention.kernel(train_cfg.attention), init_seed=train_cfg.seed,
     )
@@ -146,10 +146,11 @@ class Trainer:
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
         self.sample_precision = Precision.resolve(cfg.train.dtype, info.device, "sample")
-        self._resolve_attention(None if resume_meta is None else resume_meta.config)
         self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/materialize.py)
-        self.parallel = build_parallel(self.model, self.cfg.train, cfg.data.seq_len,
-                                       self.precision, info)
+        self._resolve_choices(None if resume_meta is None else resume_meta.config)
+        self.parallel = build_parallel(self.model, self.cfg.train, self.precision, info)
+        self.compile_meter = compile_policy.meter(self.model, self.cfg.train, cfg.data.seq_len,
+                                                  self.precision.dtype, info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
                                          self.precision.dtype)
         self.checkpointer = Checkpointer(info, cfg.checkpoint.async_save)
@@ -166,18 +167,21 @@ class Trainer:
         self.stop_requested = False
         self.sampler: GPT | None = None
 
-    def _resolve_attention(self, started: JobConfig | None) -> None:
-        """train.attention's choice, written into the config (run dir, checkpoints)."""
-        t = self.cfg.train
-        choice = attention.resolve(t.attention, self.model_cfg, t.micro_batch_size,
-                                   self.cfg.data.seq_len, self.precision.dtype, self.info,
-                                   started_with=None if started is None else started.train.attention)
-        self.length.settle(replace(self.cfg, train=replace(t, attention=choice)))
+    def _resolve_choices(self, started: JobConfig | None) -> None:
+        """train.attention's choice, then train.compile's (which weighs the attention), written
+        into the config (run dir, checkpoints): a resumed run keeps those it started with."""
+        t, seq_len, was = self.cfg.train, self.cfg.data.seq_len, started and started.train
+        t = replace(t, attention=attention.resolve(
+            t.attention, self.model_cfg, t.micro_batch_size, seq_len, self.precision.dtype,
+            self.info, started_with=was and was.attention))
+        on = compile_policy.decide(self.model, t, seq_len, self.precision.dtype, self.info,
+                                   started_with=was and was.compile)
+        self.length.settle(replace(self.cfg, train=replace(t, compile="on" if on else "off")))
         self._rebind(self.length.cfg)
 
     def _rebind(self, cfg: JobConfig) -> None:
-        """The config's changes after the start: train.attention's choice, then the length a
-        time budget fixed."""
+        """The config's changes after the start: train.attention's and .compile's choices, then
+        the length a time budget fixed."""
         self.cfg, self.derived = cfg, derive(cfg, self.info.world_size)
 
     def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:
@@ -380,6 +384,8 @@ class Trainer:
         # then overlaps the next step's start; in steady state dt is still one step's time.
         dt = budget.now() - t0
         self.step += 1
+        if self.compile_meter:
+            self.compile_meter.step_done(dt)
         self.recompiles.check("train", self.step)
         if (p := self.length.step_done(self.step, dt, self._hook_costs)) is not None:
             self._rebind(self.length.cfg)
@@ -422,6 +428,8 @@ class Trainer:
             self.save()
 
     def _finish(self, final: Path | None) -> None:
+        if self.compile_meter:
+            self.compile_meter.finish()
         if self.step == self.cfg.train.max_steps:
             if final is None:  # resumed from the last step's checkpoint: export it
                 final = self.export_final()

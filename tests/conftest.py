@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,15 @@ GPT2_TIKTOKEN = ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# A ledger of this session's own (pipeline.compile_policy): the developer's measurements never
+# steer a test's train.compile = auto, and the tests never write into them.
+os.environ["LMFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmforge-test-cache-")
+
+
+@pytest.fixture(autouse=True)
+def own_compile_ledger(tmp_path, monkeypatch):
+    """Each test starts with an empty ledger: another test's timings never change its decisions."""
+    monkeypatch.setenv("LMFORGE_CACHE_DIR", str(tmp_path / "lmforge-cache"))
 
 
 @pytest.fixture(scope="session")

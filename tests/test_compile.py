@@ -6,6 +6,7 @@ A cold compile costs 25-35 s on a 2-core CPU, so the whole-model case is one com
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 
@@ -87,11 +88,12 @@ def test_auto_compile_estimate_is_capped_by_the_time_budget(fixed_machine):
                             max_seq_len=256))
     info = DistInfo(0, 0, 1, CPU)
     long_run = TrainConfig(global_batch_tokens=8192, micro_batch_size=8, max_steps=100_000)
-    est, steps = policy.estimate(model, long_run, 256, torch.float32, info)
-    assert est == pytest.approx(8192 * 100_000 * steps.eager_s) and est > 3600
+    est = policy.estimate(model, long_run, 256, torch.float32, info)
+    assert est.eager_run_s == pytest.approx(8192 * 100_000 * est.steps.eager_s)
+    assert est.eager_run_s > 3600
     budgeted = TrainConfig(global_batch_tokens=8192, micro_batch_size=8, max_steps=100_000,
                            time_budget_s=300)
-    assert policy.estimate(model, budgeted, 256, torch.float32, info)[0] == 300
+    assert policy.estimate(model, budgeted, 256, torch.float32, info).eager_run_s == 300
     assert policy.estimate(model, long_run, 256, torch.float32, DistInfo(0, 0, 1, torch.device("cuda"))) is None
 
 
@@ -107,7 +109,124 @@ def test_auto_decision_says_why_in_one_line(fixed_machine, caplog):
     assert (short, long, forced) == (False, True, True)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and lines[0].startswith("train.compile = auto -> off on CPU: ")
-    assert "faster (matmuls" in lines[0] and lines[1].startswith("train.compile = auto -> on")
+    assert "(a roofline estimate)" in lines[0] and "(estimated: matmuls" in lines[0]
+    assert "(the design's allowance)" in lines[0] and lines[1].startswith("train.compile = auto -> on")
+
+
+# The ledger (pipeline.compile_policy): what runs measured on this machine, by run key.
+TINY = ModelConfig(vocab_size=4096, n_layer=2, n_head=4, d_model=64, max_seq_len=64)
+
+
+def tiny_key(**train):
+    from pipeline.config import TrainConfig
+
+    return policy.run_key(TINY, TrainConfig(**train), 64, torch.float32, DistInfo(0, 0, 1, CPU))
+
+
+def test_the_ledger_keeps_each_key_apart_and_merges_a_keys_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv(policy.LEDGER_ENV, str(tmp_path / "cache"))
+    a, b = tiny_key(), tiny_key(micro_batch_size=4)
+    assert policy.measured(a) == policy.Measured()  # no ledger yet
+    policy.record(a, eager_s=2e-4)
+    policy.record(a, compiled_s=1e-4, cold_compile_s=12.5)
+    policy.record(b, eager_s=9e-4)
+    assert policy.measured(a) == policy.Measured(2e-4, 1e-4, 12.5)
+    assert policy.measured(b) == policy.Measured(eager_s=9e-4)
+    assert policy.measured(tiny_key(attention="eager")) == policy.Measured()
+    entry = next(e for e in json.loads(policy.ledger_path().read_text())["runs"].values()
+                 if e["key"] == a)
+    assert entry["key"]["micro_batch"] == 8 and entry["key"]["model"]["d_model"] == 64
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 99, "runs": {}}', "[1, 2]"])
+def test_an_unreadable_ledger_is_ignored_with_a_warning_and_then_replaced(
+        tmp_path, monkeypatch, caplog, content):
+    monkeypatch.setenv(policy.LEDGER_ENV, str(tmp_path))
+    policy.ledger_path().write_text(content)
+    with caplog.at_level(logging.WARNING, logger=policy.log.name):
+        assert policy.measured(tiny_key()) == policy.Measured()
+    assert "compile ledger" in caplog.text and "ignored" in caplog.text
+    policy.record(tiny_key(), eager_s=3e-4)
+    assert policy.measured(tiny_key()).eager_s == 3e-4
+
+
+def test_a_ledger_that_cannot_be_written_is_only_a_warning(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(policy.LEDGER_ENV, str(blocker / "sub"))  # a directory under a file
+    with caplog.at_level(logging.WARNING, logger=policy.log.name):
+        policy.record(tiny_key(), eager_s=3e-4)
+    assert "not written" in caplog.text and policy.LEDGER_ENV in caplog.text
+
+
+def test_a_hand_edited_entry_with_bad_figures_is_not_taken(tmp_path, monkeypatch):
+    monkeypatch.setenv(policy.LEDGER_ENV, str(tmp_path))
+    policy.record(tiny_key(), eager_s=0.0, compiled_s=-1.0, cold_compile_s="fast")
+    assert policy.measured(tiny_key()) == policy.Measured()
+
+
+def test_the_step_meter_files_the_steady_step_and_the_first_steps_excess(tmp_path, monkeypatch):
+    monkeypatch.setenv(policy.LEDGER_ENV, str(tmp_path))
+    steady = [0.2, 0.3, 0.25, 0.25, 0.4, 0.2, 0.25][: policy.MEASURED_STEPS - 1]
+    compiled = policy.StepMeter(tiny_key(), compiled=True, tokens_per_step=1000)
+    for s in [31.0, *steady[:-1]]:
+        compiled.step_done(s)
+    assert policy.measured(tiny_key()) == policy.Measured()  # filed once every step is timed
+    compiled.step_done(steady[-1])
+    seen = policy.measured(tiny_key())
+    assert seen.compiled_s == pytest.approx(0.25 / 1000) and seen.cold_compile_s == pytest.approx(30.75)
+    assert seen.eager_s is None
+    for s in (0.3, 0.3, 0.3, 0.3):  # later steps count at the run's end
+        compiled.step_done(s)
+    assert policy.measured(tiny_key()) == seen
+    compiled.finish()
+    later = policy.measured(tiny_key())
+    assert later.compiled_s == pytest.approx(0.3 / 1000)  # the median of all steps but the first
+    assert later.cold_compile_s == pytest.approx(30.7)
+    eager = policy.StepMeter(tiny_key(), compiled=False, tokens_per_step=1000)
+    for s in [0.9, *(2 * x for x in steady)]:
+        eager.step_done(s)
+    eager.finish()  # no step past MEASURED_STEPS: nothing new to file
+    assert policy.measured(tiny_key()) == policy.Measured(0.5 / 1000, later.compiled_s,
+                                                          later.cold_compile_s)
+
+
+def test_auto_takes_what_the_ledger_measured_and_says_so(fixed_machine, tmp_path, monkeypatch,
+                                                         caplog):
+    """A run whose roofline says off compiles once this machine measured a large gain and a
+    short cold compile at its key (and the margin drops to 1: nothing is estimated), and the
+    reverse: a measured loss keeps a long run eager."""
+    from pipeline.config import TrainConfig
+
+    monkeypatch.setenv(policy.LEDGER_ENV, str(tmp_path))
+    model = GPT(TINY)
+    info = DistInfo(0, 0, 1, CPU)
+    run = TrainConfig(global_batch_tokens=8192, max_steps=200)
+    key = policy.run_key(TINY, run, 64, torch.float32, info)
+    assert not policy.decide(model, run, 64, torch.float32, info)  # estimated: too short
+    policy.record(key, eager_s=1e-4, compiled_s=5e-5, cold_compile_s=30.0)
+    est = policy.estimate(model, run, 64, torch.float32, info, policy.measured(key))
+    assert est.eager_run_s == pytest.approx(8192 * 200 * 1e-4) and est.gain == pytest.approx(2.0)
+    assert est.margin == 1.0 and est.threshold_s == pytest.approx(policy.GRAPHS * 30.0 / 0.5)
+    with caplog.at_level(logging.INFO, logger=policy.log.name):
+        assert policy.decide(model, run, 64, torch.float32, info)  # 164 s >= 80 s
+    assert caplog.records[-1].getMessage() == (
+        "train.compile = auto -> on on CPU: eager run 164 s (its step measured here), compiled "
+        "2.00x faster (measured here), cold compile 30 s for training's graph (measured here) "
+        "and a third of it for eval's: compile pays from 80 s")
+    policy.record(key, compiled_s=1.1e-4)  # compiled measured slower than eager
+    assert not policy.decide(model, replace(run, max_steps=10**7), 64, torch.float32, info)
+
+
+def test_auto_keeps_the_choice_a_resumed_run_started_with(fixed_machine, caplog):
+    from pipeline.config import TrainConfig
+
+    model, info = GPT(TINY), DistInfo(0, 0, 1, CPU)
+    with caplog.at_level(logging.INFO, logger=policy.log.name):
+        assert policy.decide(model, TrainConfig(max_steps=5), 64, torch.float32, info, "on")
+        assert not policy.decide(model, TrainConfig(max_steps=10**7), 64, torch.float32, info, "off")
+    assert caplog.records[-1].getMessage() == "train.compile = auto -> off: the choice this run started with"
+    assert policy.decide(model, TrainConfig(max_steps=5, compile="on"), 64, torch.float32, info, "off")
 
 
 def test_recompile_watch_warns_only_after_each_phase_warmed_up(monkeypatch, caplog):
