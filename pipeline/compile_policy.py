@@ -11,7 +11,7 @@ The pass counts below are design estimates read off the code, not measurements. 
 measures replaces them: every CPU run writes its steady step time (eager or compiled) and, compiled,
 its cold compile (first step minus a steady one) to this machine's ledger, `compile_ledger.json`
 in $LMFORGE_CACHE_DIR (default ~/.cache/lmforge), under a key of everything that sets them (torch,
-CPU model, threads, ranks, dtype, parallelism, attention, micro-batch, sequence length, model).
+CPU model and ISA, threads, ranks, dtype, parallelism, attention, micro-batch, sequence length, model).
 A later auto decision at the same key takes the measured gain where both modes were timed and the
 measured cold compile where one compiled, and says which figures it measured. bench/train_bench.py
 measures both at its shapes, bench/compile_auto.py the decision before and after the ledger
@@ -37,7 +37,7 @@ import torch
 from model import GPT, ModelConfig
 from pipeline.config import TrainConfig
 from pipeline.distributed import DistInfo, broadcast_from_main
-from pipeline.hardware import cpu_model, dtype_name, matmul_peak, memory_bandwidth
+from pipeline.hardware import cpu_capability, cpu_model, dtype_name, matmul_peak, memory_bandwidth
 from pipeline.metrics import get_logger
 from pipeline.parallelize import resolve_parallel
 
@@ -154,7 +154,9 @@ def ledger_path() -> Path:
 def run_key(m: ModelConfig, t: TrainConfig, seq_len: int, dtype: torch.dtype,
             info: DistInfo) -> dict:
     """Everything a step's time and its compile depend on, as the ledger files it."""
-    return {"torch": torch.__version__, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+    # The model name alone can be one for several kinds ("AMD EPYC"): the ISA tells them apart.
+    return {"torch": torch.__version__, "cpu": cpu_model(), "isa": cpu_capability(),
+            "threads": torch.get_num_threads(),
             "ranks": info.world_size, "dtype": dtype_name(dtype), "attention": t.attention,
             "parallel": resolve_parallel(t.parallel, info), "micro_batch": t.micro_batch_size,
             "checkpointing": t.activation_checkpointing, "seq_len": seq_len, "model": m.to_dict()}

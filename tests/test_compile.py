@@ -136,6 +136,7 @@ def test_the_ledger_keeps_each_key_apart_and_merges_a_keys_figures(tmp_path, mon
     entry = next(e for e in json.loads(policy.ledger_path().read_text())["runs"].values()
                  if e["key"] == a)
     assert entry["key"]["micro_batch"] == 8 and entry["key"]["model"]["d_model"] == 64
+    assert entry["key"]["isa"] and entry["key"]["cpu"]  # kinds that share a model name differ
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"version": 99, "runs": {}}', "[1, 2]"])
