@@ -145,6 +145,11 @@ class Measured:
     compiled_s: float | None = None
     cold_compile_s: float | None = None
 
+    @property
+    def gain(self) -> float | None:
+        """Compiled step rate / eager step rate, where both were timed."""
+        return self.eager_s / self.compiled_s if self.eager_s and self.compiled_s else None
+
 
 def ledger_path() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmforge"
@@ -192,13 +197,14 @@ def measured(key: dict) -> Measured:
     entry = _entries().get(_digest(key))
     entry = entry if isinstance(entry, dict) else {}
 
-    def seconds(name: str, least: float = 0.0) -> float | None:  # a hand-edited entry: ignored
+    def seconds(name: str, positive: bool = True) -> float | None:  # a hand-edited entry: ignored
         v = entry.get(name)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and least <= v < float("inf")
-        return float(v) if ok and (v > 0 or least == 0) else None
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v < float("inf"):
+            return None
+        return float(v) if (v > 0 if positive else v >= 0) else None
 
-    return Measured(seconds("eager_s", 1e-12), seconds("compiled_s", 1e-12),
-                    seconds("cold_compile_s"))
+    return Measured(seconds("eager_s"), seconds("compiled_s"),
+                    seconds("cold_compile_s", positive=False))
 
 
 def record(key: dict, **figures: float) -> None:
@@ -256,14 +262,14 @@ class Estimate:
 
     eager_run_s: float
     gain: float
-    cold_s: float  # per graph
+    cold_s: float  # training graph's
     steps: StepModel  # the roofline, for what the ledger lacks
     seen: Measured
 
     @property
     def margin(self) -> float:
-        s = self.seen
-        return 1.0 if s.eager_s and s.compiled_s and s.cold_compile_s is not None else MARGIN
+        measured_all = self.seen.gain is not None and self.seen.cold_compile_s is not None
+        return 1.0 if measured_all else MARGIN
 
     @property
     def threshold_s(self) -> float:
@@ -277,7 +283,7 @@ class Estimate:
     def why(self) -> str:
         s, roof = self.seen, self.steps
         step = "its step measured here" if s.eager_s else "a roofline estimate"
-        gain = ("measured here" if s.eager_s and s.compiled_s else
+        gain = ("measured here" if s.gain is not None else
                 f"estimated: matmuls {100 * roof.matmul_s / roof.eager_s:.0f} % of an eager step")
         cold = "measured here" if s.cold_compile_s is not None else "the design's allowance"
         run_s = f"{self.eager_run_s:.{0 if self.eager_run_s >= 10 else 1}f}"
@@ -300,7 +306,7 @@ def estimate(model: GPT, train_cfg: TrainConfig, seq_len: int, dtype: torch.dtyp
     eager_s = tokens * (seen.eager_s or steps.eager_s)
     if train_cfg.time_budget_s:
         eager_s = min(eager_s, train_cfg.time_budget_s)
-    gain = seen.eager_s / seen.compiled_s if seen.eager_s and seen.compiled_s else steps.gain
+    gain = steps.gain if seen.gain is None else seen.gain
     cold = COLD_COMPILE_ALLOWANCE_S if seen.cold_compile_s is None else seen.cold_compile_s
     return Estimate(eager_s, gain, cold, steps, seen)
 
