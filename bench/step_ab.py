@@ -7,6 +7,7 @@ timing.
 
     python -m bench.step_ab rope --shape B --compile      # model.model.apply_rope
     python -m bench.step_ab loss --shape A --compile      # pipeline.loss._fused_body
+    python -m bench.step_ab logits --shape A --dtype fp32 # pipeline.loss._eager_body (CPU)
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
     python -m bench.step_ab peers --shape B --dtype fp32  # train_bench's configurations, paired
     python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
@@ -52,9 +53,26 @@ def fused_body_int64(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     return loss_C, grad_CV.to(h_CD.dtype)
 
 
+def eager_body_onednn(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
+    """ChunkedLoss's chunk body before, for fp32 on CPU: the logits from oneDNN's linear, a fresh
+    tensor per chunk (no out=), instead of torch.mm into the reused buffer."""
+    logp_CV = bufs["logp"][:len(h_CD)]
+    logits_CV = torch.ops.mkldnn._linear_pointwise(h_CD.contiguous(), w_VD, None, "none", [], "")
+    logits_CV[:, vocab_size:] = float("-inf")
+    torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
+    del logits_CV  # freed before the next chunk's
+    loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
+    if not want_grad:
+        return loss_C, None
+    grad_CV = logp_CV.exp_()
+    grad_CV[bufs["rows"][:len(h_CD)], safe_C] -= 1.0
+    return loss_C, grad_CV
+
+
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
-         "loss": ("pipeline.loss", "_fused_body", fused_body_int64)}
+         "loss": ("pipeline.loss", "_fused_body", fused_body_int64),
+         "logits": ("pipeline.loss", "_eager_body", eager_body_onednn)}
 
 
 def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:
@@ -135,6 +153,9 @@ def main() -> None:
 
     dtype = dtype_name(auto_dtype(torch.device("cpu"))[0]) if a.dtype == "auto" else a.dtype
     shapes, dims = (tb.SMOKE_SHAPES, tb.SMOKE) if a.smoke else (tb.SHAPES, tb.FULL)
+    if a.swap == "logits" and (dtype != "fp32" or a.compile or a.decode):
+        p.error("logits swaps the eager fp32 loss's kernel: run it with --dtype fp32, without "
+                "--compile or --decode")
     if a.swap == "peers":
         seconds = alternating(peers(shapes, dims, a.shape, dtype), a.pairs)
         print(header())

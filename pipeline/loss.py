@@ -7,10 +7,11 @@ it returns the fp32 loss of softmax(h @ wᵀ) over the first vocab_size columns.
 math (`_Chunked` below, by chunks of tokens: memory O(chunk·V), no B×T×V logits nor gradient):
 
 - `ChunkedLoss` (eager runs): each chunk's logits, log-probabilities and gradient go into two
-  buffers allocated once per pass. A fresh C×V tensor per chunk costs a page fault per 4 KiB on
-  CPU (glibc hands blocks that big back to the OS) and each eager op is one more pass over it. On
-  CPU in fp32 the chunk's logits come from oneDNN's linear instead (a fresh output, but a faster
-  product there; bench/results/train_bench_avx2.txt): the one kernel chosen for one CPU kind.
+  buffers allocated once per pass, on every device and dtype. A fresh C×V tensor per chunk costs
+  a page fault per 4 KiB on CPU (glibc hands blocks that big back to the OS), and in the heap the
+  pipeline keeps (pipeline.hardware) its holes grow the peak: oneDNN's linear, whose product is
+  faster on an AVX2 CPU in fp32 but has no out=, cost more memory than its speed was worth there
+  (bench/results/README.md). Each eager op is one more pass over the chunk.
 - `FusedLoss` (compiled runs): the same chunk loop in functional ops, traced by torch.compile
   with the model (or alone under FSDP2, where the blocks are compiled apart: `select_loss`).
   Inductor fuses each chunk's upcast, log-sum-exp, softmax - one_hot and cast into a few passes
@@ -39,11 +40,6 @@ HeadLoss = Callable[..., torch.Tensor]
 # and lighter (bench/results/loss_chunk_*.txt).
 EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS = 2**23, 2**25
 
-# oneDNN's linear as a chunk's fp32 logits kernel on CPU (None where this torch has no oneDNN).
-_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-                  if torch.backends.mkldnn.is_available() else None)
-
-
 def chunk_tokens(padded_vocab: int, n_tokens: int | None = None,
                  elems: int = EAGER_CHUNK_ELEMS) -> int:
     """Tokens per chunk of the loss: at most elems // V and, given the number of tokens, the
@@ -69,15 +65,12 @@ def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """Into the reused buffers: logits, then log-probabilities, then (in place) the gradient."""
     C = len(h_CD)
     logp_CV = bufs["logp"][:C]
-    if bufs["logits"] is None:  # oneDNN: its own fresh output, freed before the next chunk's
-        logits_CV = _ONEDNN_LINEAR(h_CD.contiguous(), w_VD, None, "none", [], "")
-    elif h_CD.dtype == torch.float32:
+    if h_CD.dtype == torch.float32:
         logits_CV = torch.mm(h_CD, w_VD.T, out=bufs["logits"][:C])
     else:
         logits_CV = bufs["logits"][:C].copy_(h_CD @ w_VD.T)
     logits_CV[:, vocab_size:] = float("-inf")  # padded columns: no probability mass, no gradient
     torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
-    del logits_CV
     loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
     if not want_grad:
         return loss_C, None
@@ -106,9 +99,7 @@ def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
 
 def _eager_buffers(h_ND, w_VD, C):
     f32 = dict(dtype=torch.float32, device=h_ND.device)
-    onednn = (_ONEDNN_LINEAR is not None and h_ND.device.type == "cpu"
-              and h_ND.dtype == torch.float32)
-    return {"logits": None if onednn else torch.empty(C, w_VD.shape[0], **f32),
+    return {"logits": torch.empty(C, w_VD.shape[0], **f32),
             "logp": torch.empty(C, w_VD.shape[0], **f32),
             "rows": torch.arange(C, device=h_ND.device)}
 

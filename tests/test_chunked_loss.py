@@ -50,29 +50,11 @@ def loss_and_grads(model: GPT, loss_fn, upstream=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def use_kernel(kernel: str, monkeypatch) -> str:
-    """An eager chunk's logits product: oneDNN's linear (fp32 on CPU) or torch.mm into the
-    reused buffer (every other device and dtype, or a torch without oneDNN)."""
-    if kernel == "onednn" and loss_module._ONEDNN_LINEAR is None:
-        pytest.skip("this torch has no oneDNN linear")
-    if kernel == "mm":
-        monkeypatch.setattr(loss_module, "_ONEDNN_LINEAR", None)
-    return kernel
-
-
-@pytest.fixture(params=["onednn", "mm"])
-def logits_kernel(request, monkeypatch):
-    return use_kernel(request.param, monkeypatch)
-
-
-@pytest.fixture(params=["eager-onednn", "eager-mm", "fused"])
-def path(request, monkeypatch):
-    """Each loss path, as a function of the chunk size: ChunkedLoss with each logits kernel, and
-    FusedLoss run eagerly (compiled: tests/test_compile.py and the 2-rank check below)."""
-    if request.param == "fused":
-        return FusedLoss
-    use_kernel(request.param.split("-")[1], monkeypatch)
-    return ChunkedLoss
+@pytest.fixture(params=["eager", "fused"])
+def path(request):
+    """Each loss path, as a function of the chunk size: ChunkedLoss, and FusedLoss run eagerly
+    (compiled: tests/test_compile.py and the 2-rank check below)."""
+    return FusedLoss if request.param == "fused" else ChunkedLoss
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -184,19 +166,18 @@ class FreshLogitsBuffers(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("reduction, passes", [("sum", 1), ("none", 2)])
-def test_chunks_reuse_their_buffers_whatever_their_number(reduction, passes, logits_kernel):
-    """A fresh C×V tensor per chunk costs page faults and memory traffic on CPU: every eager
-    chunk writes its log-probabilities and gradient into one buffer allocated once per pass
-    (forward; and the per-token backward, which recomputes), and its logits into another, except
-    oneDNN's logits (fp32 on CPU), a fresh tensor per chunk: its product is faster by more than
-    that. (Compiled, FusedLoss's buffers are inductor's to plan.)"""
+def test_chunks_reuse_their_buffers_whatever_their_number(reduction, passes):
+    """A fresh C×V tensor per chunk costs page faults, memory traffic and heap holes on CPU:
+    every eager chunk writes its log-probabilities and gradient into one buffer allocated once
+    per pass (forward; and the per-token backward, which recomputes), and its logits into
+    another. (Compiled, FusedLoss's buffers are inductor's to plan.)"""
     torch.manual_seed(0)
     model = GPT(tiny())
     V = model.cfg.padded_vocab_size
     idx_BT, targets_BT = batch(4, 32)  # 16 chunks
     with FreshLogitsBuffers(V) as seen:
         model(idx_BT, targets_BT, reduction=reduction, loss_fn=ChunkedLoss(8)).sum().backward()
-    assert seen.count == (1 + 16 if logits_kernel == "onednn" else 2) * passes, seen.count
+    assert seen.count == 2 * passes, seen.count
     with FreshLogitsBuffers(V) as seen_plain:  # the counter sees the plain path's logits
         plain_loss(model, idx_BT, targets_BT, "sum").backward()
     assert seen_plain.count >= 2

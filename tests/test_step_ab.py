@@ -12,7 +12,7 @@ from bench import step_ab
 from bench.runs import run
 from model import ModelConfig
 from model.model import apply_rope, rope_tables
-from pipeline.loss import _fused_body
+from pipeline.loss import _eager_body, _eager_buffers, _fused_body
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -33,6 +33,25 @@ def test_int64_body_is_the_shipped_loss_body(vocab_size):
     got = _fused_body(h_CD, w_VD, safe_C, vocab_size, None, True)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("want_grad", [True, False])
+def test_onednn_body_is_the_shipped_eager_body(want_grad):
+    torch.manual_seed(0)
+    h_CD, w_VD = torch.randn(24, 16), torch.randn(1024, 16)
+    safe_C = torch.randint(0, 1000, (24,))
+    ref = step_ab.eager_body_onednn(h_CD, w_VD, safe_C, 1000, _eager_buffers(h_CD, w_VD, 24), want_grad)
+    got = _eager_body(h_CD, w_VD, safe_C, 1000, _eager_buffers(h_CD, w_VD, 24), want_grad)
+    for a, b in zip(got, ref):  # two GEMM kernels: equal to fp32 rounding, not bit for bit
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (got[1] is None) == (not want_grad)
+
+
+def test_logits_swap_refuses_what_it_cannot_compare():
+    res = run([sys.executable, "-m", "bench.step_ab", "logits", "--smoke", "--dtype", "bf16"],
+              timeout=120, retries=0)
+    assert res.returncode == 2 and "error: logits swaps the eager fp32 loss's kernel" in res.stdout
 
 
 def test_paired_alternates_and_puts_the_shipped_function_back():
