@@ -30,6 +30,7 @@ import torch
 
 from bench import train_bench as tb
 from bench.common import header
+from pipeline.loss import _eager_from_logits
 
 WARMUP = 2
 
@@ -56,17 +57,8 @@ def fused_body_int64(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
 def eager_body_onednn(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """ChunkedLoss's chunk body before, for fp32 on CPU: the logits from oneDNN's linear, a fresh
     tensor per chunk (no out=), instead of torch.mm into the reused buffer."""
-    logp_CV = bufs["logp"][:len(h_CD)]
     logits_CV = torch.ops.mkldnn._linear_pointwise(h_CD.contiguous(), w_VD, None, "none", [], "")
-    logits_CV[:, vocab_size:] = float("-inf")
-    torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
-    del logits_CV  # freed before the next chunk's
-    loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
-    if not want_grad:
-        return loss_C, None
-    grad_CV = logp_CV.exp_()
-    grad_CV[bufs["rows"][:len(h_CD)], safe_C] -= 1.0
-    return loss_C, grad_CV
+    return _eager_from_logits(logits_CV, safe_C, vocab_size, bufs, want_grad, h_CD.dtype)
 
 
 # name: (module, attribute, the function it replaced)

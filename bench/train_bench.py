@@ -41,6 +41,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from bench.common import ROOT, machine, memory_kind, memory_mb, minor_faults
+from bench.peers import build_gpt2, build_hf
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,6 @@ def training_step(r: Run):
     if device.type == "cuda":
         configure_cuda()  # what the pipeline sets (TF32 for fp32 matmuls), for every implementation
     torch.manual_seed(0)
-    from bench.peers import build_gpt2, build_hf
-
     build = {"lmforge": build_lmforge, "gpt2": build_gpt2, "hf": build_hf}[r.impl]
     model, step, opt = build(r, device)
     x_BT, y_BT = torch.randint(0, r.vocab, (2, r.batch, r.seq_len), device=device)

@@ -40,6 +40,7 @@ HeadLoss = Callable[..., torch.Tensor]
 # and lighter (bench/results/loss_chunk_*.txt).
 EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS = 2**23, 2**25
 
+
 def chunk_tokens(padded_vocab: int, n_tokens: int | None = None,
                  elems: int = EAGER_CHUNK_ELEMS) -> int:
     """Tokens per chunk of the loss: at most elems // V and, given the number of tokens, the
@@ -63,12 +64,19 @@ def compute_operands(h_BTD: torch.Tensor, w_VD: torch.Tensor):
 
 def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """Into the reused buffers: logits, then log-probabilities, then (in place) the gradient."""
-    C = len(h_CD)
-    logp_CV = bufs["logp"][:C]
+    logits_CV = bufs["logits"][:len(h_CD)]
     if h_CD.dtype == torch.float32:
-        logits_CV = torch.mm(h_CD, w_VD.T, out=bufs["logits"][:C])
+        torch.mm(h_CD, w_VD.T, out=logits_CV)
     else:
-        logits_CV = bufs["logits"][:C].copy_(h_CD @ w_VD.T)
+        logits_CV.copy_(h_CD @ w_VD.T)
+    return _eager_from_logits(logits_CV, safe_C, vocab_size, bufs, want_grad, h_CD.dtype)
+
+
+def _eager_from_logits(logits_CV, safe_C, vocab_size, bufs, want_grad, dtype):
+    """A chunk's loss and its logits' gradient (in `dtype`) from its fp32 logits, which it
+    overwrites, through the reused log-probability buffer."""
+    C = len(logits_CV)
+    logp_CV = bufs["logp"][:C]
     logits_CV[:, vocab_size:] = float("-inf")  # padded columns: no probability mass, no gradient
     torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
     loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
@@ -76,7 +84,7 @@ def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
         return loss_C, None
     grad_CV = logp_CV.exp_()
     grad_CV[bufs["rows"][:C], safe_C] -= 1.0
-    return loss_C, grad_CV.to(h_CD.dtype)
+    return loss_C, grad_CV.to(dtype)
 
 
 def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
