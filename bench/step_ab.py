@@ -8,6 +8,7 @@ timing.
     python -m bench.step_ab rope --shape B --compile      # model.model.apply_rope
     python -m bench.step_ab loss --shape A --compile      # pipeline.loss._fused_body
     python -m bench.step_ab logits --shape A --dtype fp32 # pipeline.loss._eager_body (CPU)
+    python -m bench.step_ab softmax --shape A             # pipeline.loss._eager_from_logits
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
     python -m bench.step_ab peers --shape B --dtype fp32  # train_bench's configurations, paired
     python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
@@ -61,10 +62,26 @@ def eager_body_onednn(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     return _eager_from_logits(logits_CV, safe_C, vocab_size, bufs, want_grad, h_CD.dtype)
 
 
+def eager_from_logits_log_softmax(logits_CV, safe_C, vocab_size, bufs, want_grad, dtype):
+    """ChunkedLoss's loss and gradient before: log_softmax into the buffer, the loss read from
+    it, then exp in place for the gradient (two exps per element, two passes)."""
+    C = len(logits_CV)
+    logp_CV = bufs["probs"][:C]
+    logits_CV[:, vocab_size:] = float("-inf")
+    torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
+    loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
+    if not want_grad:
+        return loss_C, None
+    grad_CV = logp_CV.exp_()
+    grad_CV[bufs["rows"][:C], safe_C] -= 1.0
+    return loss_C, grad_CV.to(dtype)
+
+
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
          "loss": ("pipeline.loss", "_fused_body", fused_body_int64),
-         "logits": ("pipeline.loss", "_eager_body", eager_body_onednn)}
+         "logits": ("pipeline.loss", "_eager_body", eager_body_onednn),
+         "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax)}
 
 
 def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:
@@ -148,6 +165,8 @@ def main() -> None:
     if a.swap == "logits" and (dtype != "fp32" or a.compile or a.decode):
         p.error("logits swaps the eager fp32 loss's kernel: run it with --dtype fp32, without "
                 "--compile or --decode")
+    if a.swap == "softmax" and (a.compile or a.decode):
+        p.error("softmax swaps the eager loss's chunk body: run it without --compile or --decode")
     if a.swap == "peers":
         seconds = alternating(peers(shapes, dims, a.shape, dtype), a.pairs)
         print(header())

@@ -6,12 +6,15 @@ ignore_index) on the final hidden states and the head weight (`GPT.forward(..., 
 it returns the fp32 loss of softmax(h @ wᵀ) over the first vocab_size columns. Two of them, one
 math (`_Chunked` below, by chunks of tokens: memory O(chunk·V), no B×T×V logits nor gradient):
 
-- `ChunkedLoss` (eager runs): each chunk's logits, log-probabilities and gradient go into two
-  buffers allocated once per pass, on every device and dtype. A fresh C×V tensor per chunk costs
-  a page fault per 4 KiB on CPU (glibc hands blocks that big back to the OS), and in the heap the
-  pipeline keeps (pipeline.hardware) its holes grow the peak: oneDNN's linear, whose product is
-  faster on an AVX2 CPU in fp32 but has no out=, cost more memory than its speed was worth there
-  (bench/results/README.md). Each eager op is one more pass over the chunk.
+- `ChunkedLoss` (eager runs): each chunk's logits, probabilities and gradient go into two
+  buffers allocated once per pass, on every device and dtype. One softmax gives both the
+  gradient (softmax - one_hot, in place) and the loss (-log p of the target): one exp per
+  element and one pass over the chunk, where log_softmax then exp took two of each. A fresh
+  C×V tensor per chunk costs a page fault per 4 KiB on CPU (glibc hands blocks that big back to
+  the OS), and in the heap the pipeline keeps (pipeline.hardware) its holes grow the peak:
+  oneDNN's linear, whose product is faster on an AVX2 CPU in fp32 but has no out=, cost more
+  memory than its speed was worth there (bench/results/README.md). Each eager op is one more
+  pass over the chunk.
 - `FusedLoss` (compiled runs): the same chunk loop in functional ops, traced by torch.compile
   with the model (or alone under FSDP2, where the blocks are compiled apart: `select_loss`).
   Inductor fuses each chunk's upcast, log-sum-exp, softmax - one_hot and cast into a few passes
@@ -25,6 +28,7 @@ differs by token, so backward recomputes each chunk instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +37,7 @@ import torch
 HeadLoss = Callable[..., torch.Tensor]
 
 # Logits elements per chunk. Eager, a chunk holds two fp32 C x V buffers (logits and
-# log-probabilities): 2^23 elements, 32 MiB each, keeps memory O(chunk x V) whatever the batch,
+# probabilities): 2^23 elements, 32 MiB each, keeps memory O(chunk x V) whatever the batch,
 # with chunks still hundreds of tokens tall at small vocabularies, so their matmuls run at full
 # rate. Compiled, inductor fuses the fp32 work into the passes over the logits and their
 # gradient, and taller chunks (fewer gradient accumulations into the V x D fp32 sum) ran faster
@@ -63,7 +67,7 @@ def compute_operands(h_BTD: torch.Tensor, w_VD: torch.Tensor):
 
 
 def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
-    """Into the reused buffers: logits, then log-probabilities, then (in place) the gradient."""
+    """Into the reused buffers: logits, then probabilities, then (in place) the gradient."""
     logits_CV = bufs["logits"][:len(h_CD)]
     if h_CD.dtype == torch.float32:
         torch.mm(h_CD, w_VD.T, out=logits_CV)
@@ -73,18 +77,35 @@ def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
 
 
 def _eager_from_logits(logits_CV, safe_C, vocab_size, bufs, want_grad, dtype):
-    """A chunk's loss and its logits' gradient (in `dtype`) from its fp32 logits, which it
-    overwrites, through the reused log-probability buffer."""
+    """A chunk's loss and its logits' gradient (in `dtype`) from its fp32 logits, through the
+    reused probability buffer. A target's probability under fp32's smallest normal (a loss over
+    UNDERFLOW_LOSS nats) gives no exact -log p: _exact_where_underflowed redoes those tokens."""
     C = len(logits_CV)
-    logp_CV = bufs["logp"][:C]
+    probs_CV = bufs["probs"][:C]
     logits_CV[:, vocab_size:] = float("-inf")  # padded columns: no probability mass, no gradient
-    torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
-    loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
+    torch.softmax(logits_CV, dim=-1, out=probs_CV)
+    loss_C = -probs_CV.gather(1, safe_C[:, None]).squeeze(1).log()
     if not want_grad:
         return loss_C, None
-    grad_CV = logp_CV.exp_()
-    grad_CV[bufs["rows"][:C], safe_C] -= 1.0
-    return loss_C, grad_CV.to(dtype)
+    probs_CV[bufs["rows"][:C], safe_C] -= 1.0
+    return loss_C, probs_CV.to(dtype)
+
+
+UNDERFLOW_LOSS = -math.log(torch.finfo(torch.float32).tiny)  # 87.3 nats
+
+
+def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
+    """loss_N with the tokens whose -log p went past UNDERFLOW_LOSS (inf, or imprecise from a
+    subnormal p) recomputed from log_softmax of their logits. Only a diverging run has any; the
+    check is one host sync per loss call on a GPU, none per chunk."""
+    over_N = loss_N > UNDERFLOW_LOSS
+    if not bool(over_N.any()):
+        return loss_N
+    rows = over_N.nonzero().squeeze(1)
+    logits_RV = (h_ND[rows] @ w_VD.T).float()
+    logits_RV[:, vocab_size:] = float("-inf")
+    exact_R = -torch.log_softmax(logits_RV, dim=-1).gather(1, safe_N[rows, None]).squeeze(1)
+    return loss_N.index_put((rows,), exact_R)
 
 
 def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
@@ -108,7 +129,7 @@ def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
 def _eager_buffers(h_ND, w_VD, C):
     f32 = dict(dtype=torch.float32, device=h_ND.device)
     return {"logits": torch.empty(C, w_VD.shape[0], **f32),
-            "logp": torch.empty(C, w_VD.shape[0], **f32),
+            "probs": torch.empty(C, w_VD.shape[0], **f32),
             "rows": torch.arange(C, device=h_ND.device)}
 
 
@@ -120,7 +141,8 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
     valid_N = targets_N != ignore_index
     safe_N = torch.where(valid_N, targets_N, 0)
     want_grad = grad_scale_N is not None
-    bufs = _eager_buffers(h_ND, w_VD, min(chunk, len(targets_N))) if body is _eager_body else None
+    eager = body is _eager_body
+    bufs = _eager_buffers(h_ND, w_VD, min(chunk, len(targets_N))) if eager else None
     losses, grads_h = [], []
     if want_grad:
         scale_N1 = torch.where(valid_N, grad_scale_N, 0.0)[:, None].to(h_ND.dtype)
@@ -139,6 +161,8 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
         else:  # no mixed-dtype addmm on CPU: a bf16 product added in fp32
             grad_w_VD += grad_CV.T @ hs_CD
     loss_N = torch.where(valid_N, torch.cat(losses), 0.0)
+    if eager:  # (the fused body's log-sum-exp is exact at any probability)
+        loss_N = _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size)
     if not want_grad:
         return loss_N, None, None
     return loss_N, torch.cat(grads_h), grad_w_VD

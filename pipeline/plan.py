@@ -122,7 +122,7 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
 def head_loss_bytes(model: GPT, tokens: int) -> int:
     """What the LM-head loss of a micro-batch of `tokens` holds at most, and the head's fp32
     gradient: the loss runs by chunks (pipeline.loss.chunk_tokens), with two fp32 chunk x V
-    buffers (eager: logits and log-probabilities; compiled: the logits and their gradient, in
+    buffers (eager: logits and probabilities; compiled: the logits and their gradient, in
     its taller chunks: the plan does not know whether the run compiles, so it takes those)."""
     V = model.cfg.padded_vocab_size
     chunk = chunk_tokens(V, tokens, max(EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS))

@@ -98,6 +98,39 @@ def test_a_head_without_padding_columns_equals_the_plain_path(reduction, path):
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_target_whose_probability_underflows_gets_the_exact_loss(reduction, path):
+    """A diverging run's logits can put a target's probability below fp32's smallest normal (a
+    loss over 87 nats): there -log p is inf (p = 0) or rounded (p subnormal), yet the loss and its
+    gradient must still be cross-entropy's."""
+    D, V, vocab = 16, 24, 20  # columns 20-23 padded
+    w_VD = torch.zeros(V, D)
+    w_VD[:D] = torch.eye(D)
+    h_BTD = torch.zeros(1, 6, D)
+    h_BTD[0, :, 0] = torch.tensor([95.0, 300.0, 1.0, 150.0, 0.5, 2000.0])  # logit of column 0
+    targets_BT = torch.tensor([[3, 5, 0, 1, 7, 2]])  # not column 0: losses ~95, 300, ..., 2000
+    h_BTD, w_VD = h_BTD.requires_grad_(), w_VD.requires_grad_()
+    upstream = torch.rand(targets_BT.shape) if reduction == "none" else 1.0
+
+    def plain():
+        loss = F.cross_entropy((h_BTD @ w_VD[:vocab].T).flatten(0, 1), targets_BT.flatten(),
+                               reduction=reduction)
+        return loss.view(targets_BT.shape) if reduction == "none" else loss
+
+    def loss_and_grads_of(loss_fn):
+        loss = loss_fn()
+        return loss.detach(), torch.autograd.grad((loss * upstream).sum(), (h_BTD, w_VD))
+
+    ref, ref_grads = loss_and_grads_of(plain)
+    got, grads = loss_and_grads_of(lambda: path(2)(h_BTD, w_VD, targets_BT, vocab, reduction))
+    assert torch.isfinite(got).all()
+    if reduction == "none":
+        assert got[0, 5] > 1000 and got[0, 0] > 90
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op produces (forward and backward)."""
 
@@ -168,7 +201,7 @@ class FreshLogitsBuffers(TorchDispatchMode):
 @pytest.mark.parametrize("reduction, passes", [("sum", 1), ("none", 2)])
 def test_chunks_reuse_their_buffers_whatever_their_number(reduction, passes):
     """A fresh C×V tensor per chunk costs page faults, memory traffic and heap holes on CPU:
-    every eager chunk writes its log-probabilities and gradient into one buffer allocated once
+    every eager chunk writes its probabilities and gradient into one buffer allocated once
     per pass (forward; and the per-token backward, which recomputes), and its logits into
     another. (Compiled, FusedLoss's buffers are inductor's to plan.)"""
     torch.manual_seed(0)

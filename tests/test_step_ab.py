@@ -12,7 +12,7 @@ from bench import step_ab
 from bench.runs import run
 from model import ModelConfig
 from model.model import apply_rope, rope_tables
-from pipeline.loss import _eager_body, _eager_buffers, _fused_body
+from pipeline.loss import _eager_body, _eager_buffers, _eager_from_logits, _fused_body
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,6 +45,22 @@ def test_onednn_body_is_the_shipped_eager_body(want_grad):
     got = _eager_body(h_CD, w_VD, safe_C, 1000, _eager_buffers(h_CD, w_VD, 24), want_grad)
     for a, b in zip(got, ref):  # two GEMM kernels: equal to fp32 rounding, not bit for bit
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (got[1] is None) == (not want_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the gradient's dtype
+@pytest.mark.parametrize("want_grad", [True, False])
+def test_log_softmax_body_is_the_shipped_softmax_body(dtype, want_grad):
+    torch.manual_seed(0)
+    logits_CV, safe_C = torch.randn(24, 1024) * 4, torch.randint(0, 1000, (24,))
+    w_VD = torch.empty(1024, 16)
+    ref, got = (body(logits_CV.clone(), safe_C, 1000, _eager_buffers(logits_CV, w_VD, 24),
+                     want_grad, dtype)
+                for body in (step_ab.eager_from_logits_log_softmax, _eager_from_logits))
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)  # -log p vs log_softmax
+    if want_grad:
+        assert got[1].dtype == ref[1].dtype == dtype
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
     assert (got[1] is None) == (not want_grad)
 
 
