@@ -9,6 +9,7 @@ timing.
     python -m bench.step_ab loss --shape A --compile      # pipeline.loss._fused_body
     python -m bench.step_ab logits --shape A --dtype fp32 # pipeline.loss._eager_body (CPU)
     python -m bench.step_ab softmax --shape A             # pipeline.loss._eager_from_logits
+    python -m bench.step_ab accumulate --shape A          # pipeline.loss._add_by_blocks (bf16)
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
     python -m bench.step_ab peers --shape B --dtype fp32  # train_bench's configurations, paired
     python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
@@ -77,11 +78,18 @@ def eager_from_logits_log_softmax(logits_CV, safe_C, vocab_size, bufs, want_grad
     return loss_C, grad_CV.to(dtype)
 
 
+def add_whole(sum_VD, part_VD):
+    """The eager loss's bf16 head gradient added into the fp32 sum before: whole, in one add_
+    (on CPU a fresh fp32 copy of the operand per chunk)."""
+    sum_VD += part_VD
+
+
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
          "loss": ("pipeline.loss", "_fused_body", fused_body_int64),
          "logits": ("pipeline.loss", "_eager_body", eager_body_onednn),
-         "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax)}
+         "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax),
+         "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole)}
 
 
 def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:
@@ -165,8 +173,8 @@ def main() -> None:
     if a.swap == "logits" and (dtype != "fp32" or a.compile or a.decode):
         p.error("logits swaps the eager fp32 loss's kernel: run it with --dtype fp32, without "
                 "--compile or --decode")
-    if a.swap == "softmax" and (a.compile or a.decode):
-        p.error("softmax swaps the eager loss's chunk body: run it without --compile or --decode")
+    if a.swap in ("softmax", "accumulate") and (a.compile or a.decode):
+        p.error(f"{a.swap} swaps a step of the eager loss: run it without --compile or --decode")
     if a.swap == "peers":
         seconds = alternating(peers(shapes, dims, a.shape, dtype), a.pairs)
         print(header())

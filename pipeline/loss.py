@@ -133,6 +133,19 @@ def _eager_buffers(h_ND, w_VD, C):
             "rows": torch.arange(C, device=h_ND.device)}
 
 
+# Elements per block when a bf16 product is added into an fp32 sum. On CPU an in-place add of
+# another dtype first casts the whole operand: at GPT-2's vocabulary a fresh 51 MB fp32 copy of
+# the head's gradient per chunk, faulted in page by page (glibc mmaps blocks that big). By blocks
+# of 4 MiB the copy comes from the heap and stays in cache (bench/results/step_ab_zen4.txt).
+ADD_BLOCK_ELEMS = 2**20
+
+
+def _add_by_blocks(sum_VD: torch.Tensor, part_VD: torch.Tensor) -> None:
+    rows = max(1, ADD_BLOCK_ELEMS // sum_VD.shape[1])
+    for start in range(0, len(sum_VD), rows):
+        sum_VD[start:start + rows] += part_VD[start:start + rows]
+
+
 def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_scale_N=None):
     """Loss of N tokens (fp32) by chunks of `chunk` tokens and, when grad_scale_N is given, the
     gradients of sum(grad_scale_N * loss_N) w.r.t. h_ND (its dtype) and w_VD (fp32):
@@ -158,7 +171,9 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
         hs_CD = h_CD * scale_N1[part]
         if grad_CV.dtype == torch.float32:
             grad_w_VD.addmm_(grad_CV.T, hs_CD)
-        else:  # no mixed-dtype addmm on CPU: a bf16 product added in fp32
+        elif eager:  # no mixed-dtype addmm on CPU: a bf16 product added in fp32
+            _add_by_blocks(grad_w_VD, grad_CV.T @ hs_CD)
+        else:  # (inductor fuses the upcast into the add)
             grad_w_VD += grad_CV.T @ hs_CD
     loss_N = torch.where(valid_N, torch.cat(losses), 0.0)
     if eager:  # (the fused body's log-sum-exp is exact at any probability)

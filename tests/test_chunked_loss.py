@@ -216,6 +216,39 @@ def test_chunks_reuse_their_buffers_whatever_their_number(reduction, passes):
     assert seen_plain.count >= 2
 
 
+def whole_casts(shape, run) -> int:
+    """How many times run() casts a tensor of `shape` to another dtype, also inside an op (an
+    in-place add of a bf16 operand into fp32 on CPU casts the operand first)."""
+    from torch.profiler import profile
+
+    with profile(record_shapes=True) as prof:
+        run()
+    return sum(e.name == "aten::_to_copy" and list(e.input_shapes[0]) == list(shape)
+               for e in prof.events())
+
+
+def test_bf16_head_gradient_adds_up_without_casting_it_whole_per_chunk(monkeypatch):
+    """Under bf16 autocast each chunk's head gradient is a bf16 V×D product added into the fp32
+    sum. Added whole, CPU first casts all of it to a fresh fp32 V×D tensor, every chunk (51 MB
+    at GPT-2's vocabulary, page-faulted in each time); added by blocks, only the blocks are
+    cast, and a step's whole V×D casts do not grow with the number of chunks."""
+    monkeypatch.setattr(loss_module, "ADD_BLOCK_ELEMS", 64 * 32)  # blocks of 64 rows at D 32
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    shape = (model.cfg.padded_vocab_size, model.cfg.d_model)
+    idx_BT, targets_BT = batch(4, 32)
+
+    def step(chunk):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx_BT, targets_BT, loss_fn=ChunkedLoss(chunk))
+        loss.backward()
+
+    casts = {chunk: whole_casts(shape, lambda: step(chunk)) for chunk in (64, 8)}  # 2, 16 chunks
+    assert casts[8] == casts[64], casts
+    added_whole = whole_casts(shape, lambda: torch.zeros(shape).add_(torch.ones(shape).bfloat16()))
+    assert added_whole == 2  # the counter sees the cast inside add_ (and the one asked for)
+
+
 def exact_token_losses(model: GPT, idx_BT, targets_BT) -> torch.Tensor:
     """Per-token loss in fp64 from the fp32 weights: the number bf16 runs are judged against."""
     ref = GPT(model.cfg).double()

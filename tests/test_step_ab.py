@@ -12,6 +12,7 @@ from bench import step_ab
 from bench.runs import run
 from model import ModelConfig
 from model.model import apply_rope, rope_tables
+from pipeline import loss as loss_module
 from pipeline.loss import _eager_body, _eager_buffers, _eager_from_logits, _fused_body
 
 
@@ -62,6 +63,15 @@ def test_log_softmax_body_is_the_shipped_softmax_body(dtype, want_grad):
         assert got[1].dtype == ref[1].dtype == dtype
         torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
     assert (got[1] is None) == (not want_grad)
+
+
+def test_whole_add_is_the_shipped_blocked_add(monkeypatch):
+    monkeypatch.setattr(loss_module, "ADD_BLOCK_ELEMS", 7 * 16)  # 7 rows: a short last block
+    sum_VD, part_VD = torch.randn(100, 16), torch.randn(100, 16).bfloat16()
+    ref, got = sum_VD.clone(), sum_VD.clone()
+    step_ab.add_whole(ref, part_VD)
+    loss_module._add_by_blocks(got, part_VD)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
 def test_logits_swap_refuses_what_it_cannot_compare():
