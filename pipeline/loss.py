@@ -96,15 +96,13 @@ UNDERFLOW_LOSS = -math.log(torch.finfo(torch.float32).tiny)  # 87.3 nats
 
 def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
     """loss_N with the tokens whose -log p went past UNDERFLOW_LOSS (inf, or imprecise from a
-    subnormal p) recomputed from log_softmax of their logits. Only a diverging run has any; the
+    subnormal p) recomputed by the fused body's log-sum-exp. Only a diverging run has any; the
     check is one host sync per loss call on a GPU, none per chunk."""
     over_N = loss_N > UNDERFLOW_LOSS
     if not bool(over_N.any()):
         return loss_N
     rows = over_N.nonzero().squeeze(1)
-    logits_RV = (h_ND[rows] @ w_VD.T).float()
-    logits_RV[:, vocab_size:] = float("-inf")
-    exact_R = -torch.log_softmax(logits_RV, dim=-1).gather(1, safe_N[rows, None]).squeeze(1)
+    exact_R = _fused_body(h_ND[rows], w_VD, safe_N[rows], vocab_size, None, False)[0]
     return loss_N.index_put((rows,), exact_R)
 
 
