@@ -43,17 +43,21 @@ def rope_by_roll(x_BTNK, cos, sin):
     return x_BTNK * cos + x_BTNK.roll(x_BTNK.shape[-1] // 2, dims=-1) * sin
 
 
-def fused_body_int64(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
-    """FusedLoss's chunk body before: int64 column indices, the padding mask always applied."""
+def fused_body_three_passes(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
+    """FusedLoss's chunk body before: each row's loss inside the chunk (log-sum-exp, less the
+    target's logit gathered), per-row ops that split inductor's loop over the rows into three
+    passes over the whole chunk, with two exps per element."""
     logits_CV = (h_CD @ w_VD.T).float()
-    cols_V = torch.arange(w_VD.shape[0], device=h_CD.device)
-    logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
+    cols_V = torch.arange(w_VD.shape[0], device=h_CD.device, dtype=torch.int32)
+    if vocab_size < w_VD.shape[0]:
+        logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
     lse_C = logits_CV.logsumexp(dim=-1)
     loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
     if not want_grad:
-        return loss_C, None
-    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - (cols_V == safe_C[:, None]).float()
-    return loss_C, grad_CV.to(h_CD.dtype)
+        return (loss_C,), None
+    one_hot_CV = cols_V == safe_C.to(torch.int32)[:, None]
+    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - one_hot_CV.float()
+    return (loss_C,), grad_CV.to(h_CD.dtype)
 
 
 def eager_body_onednn(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
@@ -72,10 +76,10 @@ def eager_from_logits_log_softmax(logits_CV, safe_C, vocab_size, bufs, want_grad
     torch.log_softmax(logits_CV, dim=-1, out=logp_CV)
     loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
     if not want_grad:
-        return loss_C, None
+        return (loss_C,), None
     grad_CV = logp_CV.exp_()
     grad_CV[bufs["rows"][:C], safe_C] -= 1.0
-    return loss_C, grad_CV.to(dtype)
+    return (loss_C,), grad_CV.to(dtype)
 
 
 def add_whole(sum_VD, part_VD):
@@ -86,7 +90,7 @@ def add_whole(sum_VD, part_VD):
 
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
-         "loss": ("pipeline.loss", "_fused_body", fused_body_int64),
+         "loss": ("pipeline.loss", "_fused_body", fused_body_three_passes),
          "logits": ("pipeline.loss", "_eager_body", eager_body_onednn),
          "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax),
          "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole)}

@@ -17,9 +17,10 @@ math (`_Chunked` below, by chunks of tokens: memory O(chunk·V), no B×T×V logi
   pass over the chunk.
 - `FusedLoss` (compiled runs): the same chunk loop in functional ops, traced by torch.compile
   with the model (or alone under FSDP2, where the blocks are compiled apart: `select_loss`).
-  Inductor fuses each chunk's upcast, log-sum-exp, softmax - one_hot and cast into a few passes
-  and plans the chunks' buffers within one graph (no eager allocation per op); at most one chunk
-  of tokens, that is the whole logits in the graph.
+  Inductor fuses each chunk's upcast, log-sum-exp, softmax - one_hot and cast into one loop
+  over its rows (one exp per element, each row read once from memory) and plans the chunks'
+  buffers within one graph (no eager allocation per op); at most one chunk of tokens, that is
+  the whole logits in the graph.
 
 Summed or averaged, the gradients are computed chunk by chunk in the forward pass, where the
 logits are at hand, and only scaled in backward. Per token ("none"), the upstream gradient
@@ -63,7 +64,7 @@ def compute_operands(h_BTD: torch.Tensor, w_VD: torch.Tensor):
     return h_BTD.to(dtype), w_VD.to(dtype)
 
 
-# ---- the two bodies of one chunk: logits_CV -> (loss_C, d loss / d logits in h's dtype) -----
+# ---- the two bodies of one chunk: -> (the loss's per-row parts, d loss / d logits in h's dtype)
 
 
 def _eager_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
@@ -86,9 +87,9 @@ def _eager_from_logits(logits_CV, safe_C, vocab_size, bufs, want_grad, dtype):
     torch.softmax(logits_CV, dim=-1, out=probs_CV)
     loss_C = -probs_CV.gather(1, safe_C[:, None]).squeeze(1).log()
     if not want_grad:
-        return loss_C, None
+        return (loss_C,), None
     probs_CV[bufs["rows"][:C], safe_C] -= 1.0
-    return loss_C, probs_CV.to(dtype)
+    return (loss_C,), probs_CV.to(dtype)
 
 
 UNDERFLOW_LOSS = -math.log(torch.finfo(torch.float32).tiny)  # 87.3 nats
@@ -102,7 +103,7 @@ def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
     if not bool(over_N.any()):
         return loss_N
     rows = over_N.nonzero().squeeze(1)
-    exact_R = _fused_body(h_ND[rows], w_VD, safe_N[rows], vocab_size, None, False)[0]
+    exact_R = _loss_of(_fused_body(h_ND[rows], w_VD, safe_N[rows], vocab_size, None, False)[0])
     return loss_N.index_put((rows,), exact_R)
 
 
@@ -110,18 +111,39 @@ def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """Functional ops only, so that inductor can fuse them (it turns out= and in-place writes
     into copies). Column indices in int32, and no padding mask where the head has no padded
     column: every pass over the chunk compares them, and an int64 compare takes twice the
-    vectors (bench/step_ab.py loss)."""
+    vectors (bench/results/step_ab_zen4.txt).
+
+    Every op here spans the chunk's rows and columns, which lets inductor make one loop over
+    the rows: each row's max, its exponentials (kept in a row buffer that stays in cache), their
+    sum and the gradient, one exp per element and one read of the logits. A per-row op (the
+    loss, or a gather of the target's logit) would split that loop into three passes over the
+    whole chunk, so the target's logit is a masked sum and the loss is left to _loss_of, outside
+    the chunk's loop (a sum over its rows, or a cat of the per-row parts kept [C, 1], which
+    inductor writes in place) (bench/step_ab.py loss)."""
     logits_CV = (h_CD @ w_VD.T).float()
     cols_V = torch.arange(w_VD.shape[0], device=h_CD.device, dtype=torch.int32)
     if vocab_size < w_VD.shape[0]:
         logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
-    lse_C = logits_CV.logsumexp(dim=-1)
-    loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
-    if not want_grad:
-        return loss_C, None
     one_hot_CV = cols_V == safe_C.to(torch.int32)[:, None]
-    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - one_hot_CV.float()
-    return loss_C, grad_CV.to(h_CD.dtype)
+    target_C1 = torch.where(one_hot_CV, logits_CV, 0.0).sum(dim=-1, keepdim=True)
+    max_C1 = logits_CV.amax(dim=-1, keepdim=True)
+    exp_CV = torch.exp(logits_CV - max_C1)
+    sumexp_C1 = exp_CV.sum(dim=-1, keepdim=True)
+    parts = (max_C1, sumexp_C1, target_C1)
+    if not want_grad:
+        return parts, None
+    grad_CV = exp_CV / sumexp_C1 - one_hot_CV.float()
+    return parts, grad_CV.to(h_CD.dtype)
+
+
+def _loss_of(parts):
+    """The per-token loss from a body's per-row parts (each concatenated over the chunks): the
+    loss itself from the eager body, (max, sum of exp(logit - max), target's logit) from the
+    fused one."""
+    if len(parts) == 1:
+        return parts[0]
+    max_N1, sumexp_N1, target_N1 = parts
+    return (max_N1 + sumexp_N1.log() - target_N1).squeeze(1)
 
 
 def _eager_buffers(h_ND, w_VD, C):
@@ -145,24 +167,24 @@ def _add_by_blocks(sum_VD: torch.Tensor, part_VD: torch.Tensor) -> None:
 
 
 def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_scale_N=None):
-    """Loss of N tokens (fp32) by chunks of `chunk` tokens and, when grad_scale_N is given, the
-    gradients of sum(grad_scale_N * loss_N) w.r.t. h_ND (its dtype) and w_VD (fp32):
-    (loss_N, grad_h_ND, grad_w_VD). The per-token scale goes on the D-wide factors, never on the
-    C×V gradient."""
+    """Loss of N tokens (fp32) by chunks of `chunk` tokens: (loss_N, None, None); or, given
+    grad_scale_N, their summed loss and the gradients of sum(grad_scale_N * loss_N) w.r.t. h_ND
+    (its dtype) and w_VD (fp32): (loss, grad_h_ND, grad_w_VD). The per-token scale goes on the
+    D-wide factors, never on the C×V gradient."""
     valid_N = targets_N != ignore_index
     safe_N = torch.where(valid_N, targets_N, 0)
     want_grad = grad_scale_N is not None
     eager = body is _eager_body
     bufs = _eager_buffers(h_ND, w_VD, min(chunk, len(targets_N))) if eager else None
-    losses, grads_h = [], []
+    parts, grads_h = [], []
     if want_grad:
         scale_N1 = torch.where(valid_N, grad_scale_N, 0.0)[:, None].to(h_ND.dtype)
         grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
     for start in range(0, len(targets_N), chunk):
         part = slice(start, start + chunk)
         h_CD = h_ND[part]
-        loss_C, grad_CV = body(h_CD, w_VD, safe_N[part], vocab_size, bufs, want_grad)
-        losses.append(loss_C)
+        parts_C, grad_CV = body(h_CD, w_VD, safe_N[part], vocab_size, bufs, want_grad)
+        parts.append(parts_C)
         if not want_grad:
             continue
         grads_h.append((grad_CV @ w_VD) * scale_N1[part])
@@ -173,12 +195,16 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
             _add_by_blocks(grad_w_VD, grad_CV.T @ hs_CD)
         else:  # (inductor fuses the upcast into the add)
             grad_w_VD += grad_CV.T @ hs_CD
-    loss_N = torch.where(valid_N, torch.cat(losses), 0.0)
+    if want_grad and not eager:  # summed chunk by chunk: see _fused_body
+        loss = sum(torch.where(valid_N[start:start + chunk], _loss_of(p), 0.0).sum()
+                   for start, p in zip(range(0, len(targets_N), chunk), parts))
+        return loss, torch.cat(grads_h), grad_w_VD
+    loss_N = torch.where(valid_N, _loss_of([torch.cat(p) for p in zip(*parts)]), 0.0)
     if eager:  # (the fused body's log-sum-exp is exact at any probability)
         loss_N = _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size)
     if not want_grad:
         return loss_N, None, None
-    return loss_N, torch.cat(grads_h), grad_w_VD
+    return loss_N.sum(), torch.cat(grads_h), grad_w_VD
 
 
 class _Chunked(torch.autograd.Function):
@@ -192,9 +218,9 @@ class _Chunked(torch.autograd.Function):
             ctx.save_for_backward(h_ND, w_VD, targets_N)
             return _chunks(body, h_ND, w_VD, targets_N, *ctx.args)[0]
         ones_N = torch.ones(len(targets_N), device=h_ND.device)
-        loss_N, grad_h_ND, grad_w_VD = _chunks(body, h_ND, w_VD, targets_N, *ctx.args, ones_N)
+        loss, grad_h_ND, grad_w_VD = _chunks(body, h_ND, w_VD, targets_N, *ctx.args, ones_N)
         ctx.save_for_backward(grad_h_ND, grad_w_VD.to(w_VD.dtype))
-        return loss_N.sum()
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):

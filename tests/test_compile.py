@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import replace
 
 import pytest
@@ -18,7 +19,7 @@ from pipeline import attention
 from pipeline import compile_policy as policy
 from pipeline import parallelize as par
 from pipeline.distributed import DistInfo
-from pipeline.loss import select_loss
+from pipeline.loss import FusedLoss, select_loss
 
 CPU = torch.device("cpu")
 
@@ -291,3 +292,24 @@ def test_compiled_forward_and_loss_equal_eager_without_recompiles(chunk, attend)
     with torch.no_grad():
         torch.testing.assert_close(eval_loss, eager_pm.loss(eval_x_BT, eval_y_BT, reduction="sum"),
                                    rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 1024])  # with padded columns and without
+def test_the_fused_loss_is_one_loop_over_each_chunks_rows(vocab_size):
+    """FusedLoss's reason to be, on CPU: inductor makes each chunk one loop over its rows (the
+    row's max, its exps kept in a row buffer, their sum, the gradient: one exp per element,
+    one read of the logits). A per-row op joined to the chunk (the loss, a gather, a cat's
+    copy) splits that loop into three passes over the whole chunk."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    h_BTD = torch.randn(2, 32, 32, generator=g, requires_grad=True)
+    w_VD = torch.randn(1024, 32, generator=g, requires_grad=True)
+    y_BT = torch.randint(0, vocab_size, (2, 32), generator=g)
+    loss_fn = torch.compile(FusedLoss(16), dynamic=False)  # 4 chunks
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, code = run_and_get_code(lambda: loss_fn(h_BTD, w_VD, y_BT, vocab_size).backward())
+    kernels = [k for k in re.split(r"async_compile\.cpp_pybinding", "\n".join(code)) if ".exp()" in k]
+    assert len(kernels) == 4, "\n".join(code)
+    assert all(k.count("for(int64_t x0=") == 1 for k in kernels), "\n".join(kernels)
