@@ -51,3 +51,22 @@ def matmul_ms(one_step, steps: int, device: str) -> float:
     """Milliseconds per step the profiler counts in matmul kernels (self time)."""
     events = profile_steps(one_step, steps, device)
     return sum(self_time_us(e, device) for e in events if category(e.key) == "matmul") / steps / 1e3
+
+
+def paired_matmul_ms(one_step, pairs: int, device: str) -> tuple[float, float]:
+    """(matmul ms, non-matmul ms) of a step: the medians over `pairs` of an unprofiled step's
+    time and the next, profiled step's matmul time. The profiler slows the framework, not the
+    kernels: a step's matmuls as profiled, taken from its unprofiled neighbour's time, leave
+    what is not matmul (what compile and fusion can cut), each pair seconds apart, so a shared
+    host's drift between the timed steps and the profiled ones stays out of the difference."""
+    import statistics
+    import time
+
+    mm, other = [], []
+    for _ in range(pairs):
+        t0 = time.perf_counter()
+        one_step()
+        step_ms = (time.perf_counter() - t0) * 1e3
+        mm.append(matmul_ms(one_step, 1, device))
+        other.append(step_ms - mm[-1])
+    return statistics.median(mm), statistics.median(other)

@@ -18,8 +18,9 @@ compiled, the forward with FusedLoss in its graph); the references are compiled 
 loss). MFU is against the peak measured in the run's dtype. Peak memory is the process's peak
 RSS on CPU, torch.cuda.max_memory_allocated on CUDA. `faults` is the minor page faults of a step
 (a fresh big tensor costs one per 4 KiB on CPU). `mm ms` is a step's matmul time from the
-profiler (PROFILED_STEPS profiled steps after the timed ones), `other` the rest of the
-unprofiled step: what fusion can cut. Each shape ends with the issue's targets, ok or MISSED
+profiler and `other` the rest of the step, what fusion can cut: medians over PROFILED_PAIRS
+pairs, after the timed steps, of an unprofiled step and the next one profiled
+(bench.profile_ops.paired_matmul_ms). Each shape ends with the issue's targets, ok or MISSED
 (bf16-native ones where the dtype is bf16, else an fp32 CPU's no-regression ones). Then the cold
 compile (what train.compile=auto weighs) and memory at shape A (peak at batch 1 and 8, the
 largest micro-batch lmforge fits in HF's peak). bench/profile_step.py: where a step's time goes.
@@ -60,7 +61,7 @@ class Run:
     n_head: int = 4
     seq_len: int = 256
     d_mlp: int = 688
-    profile: bool = True  # time a profiled step's matmuls after the timed ones
+    profile: bool = True  # time profiled steps' matmuls after the timed ones
     loss_chunk: int | None = None  # lmforge: tokens per loss chunk (0: full logits; None: its own)
     attention: str = "auto"  # lmforge: train.attention (main() resolves auto once for all)
 
@@ -77,7 +78,7 @@ FULL = dict(d_model=256, n_layer=4, n_head=4, seq_len=256, d_mlp=688)
 SMOKE = dict(d_model=64, n_layer=2, n_head=4, seq_len=64, d_mlp=172)
 SHAPES = {"A": 50257, "B": 4096}  # real vocabulary; the heads pad it to a multiple of 64
 SMOKE_SHAPES = {"A": 2048, "B": 256}
-PROFILED_STEPS = 2
+PROFILED_PAIRS = 3
 IMPLS = [("lmforge", False), ("lmforge", True), ("gpt2", True), ("hf", False), ("hf", True)]
 SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 
@@ -137,7 +138,7 @@ def training_step(r: Run):
 
 
 def worker(r: Run) -> dict:
-    from bench.profile_ops import matmul_ms
+    from bench.profile_ops import paired_matmul_ms
 
     one_step = training_step(r)
     base_mb = memory_mb(r.device, peak=False)
@@ -149,14 +150,13 @@ def worker(r: Run) -> dict:
         faults.append(minor_faults() - f0)
     peak_mb = memory_mb(r.device, peak=True)  # before the profiler's own allocations
     steady_s = statistics.median(times[2:])
-    # The profiler slows the framework, not the kernels: a profiled step's matmul time against
-    # the unprofiled step time leaves what is not matmul (what compile and fusion can cut).
-    mm_ms = matmul_ms(one_step, PROFILED_STEPS, r.device) if r.profile else float("nan")
+    nan = float("nan")
+    mm_ms, other_ms = paired_matmul_ms(one_step, PROFILED_PAIRS, r.device) if r.profile else (nan, nan)
     return {"tok_s": r.batch * r.seq_len / steady_s, "first_step_s": times[0],
             "steady_s": steady_s, "peak_mb": peak_mb,
             "base_mb": base_mb, "train_mb": peak_mb - base_mb,
             "faults_per_step": statistics.median(faults[2:]),
-            "matmul_ms": mm_ms, "non_matmul_ms": steady_s * 1e3 - mm_ms}
+            "matmul_ms": mm_ms, "non_matmul_ms": other_ms}
 
 
 def measure(r: Run, env=None) -> dict:

@@ -77,3 +77,21 @@ def test_profile_step_runs_the_bench_step():
     assert res.returncode == 0, res.stdout[-4000:]
     assert "lmforge eager shape B (V 4096, " in res.stdout
     assert "self CPU time per step by category" in res.stdout and "matmul" in res.stdout
+
+
+def test_non_matmul_time_is_the_step_less_its_profiled_matmuls():
+    """bench.profile_ops.paired_matmul_ms: a step of one matmul and a 50 ms wait splits into
+    the matmul's own milliseconds and the rest, the wait."""
+    import time
+
+    from bench.profile_ops import paired_matmul_ms
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def one_step():
+        torch.mm(a, b)
+        time.sleep(0.05)
+
+    mm_ms, other_ms = paired_matmul_ms(one_step, 3, "cpu")
+    assert 0 < mm_ms < 25, mm_ms
+    assert 45 < other_ms < 200, other_ms
