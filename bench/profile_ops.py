@@ -4,6 +4,9 @@ bench/profile_step.py (the full breakdown)."""
 
 from __future__ import annotations
 
+import statistics
+import time
+
 # First matching substring of the op name wins.
 CATEGORIES = [
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
@@ -59,9 +62,6 @@ def paired_matmul_ms(one_step, pairs: int, device: str) -> tuple[float, float]:
     kernels: a step's matmuls as profiled, taken from its unprofiled neighbour's time, leave
     what is not matmul (what compile and fusion can cut), each pair seconds apart, so a shared
     host's drift between the timed steps and the profiled ones stays out of the difference."""
-    import statistics
-    import time
-
     mm, other = [], []
     for _ in range(pairs):
         t0 = time.perf_counter()

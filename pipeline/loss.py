@@ -180,7 +180,8 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
     if want_grad:
         scale_N1 = torch.where(valid_N, grad_scale_N, 0.0)[:, None].to(h_ND.dtype)
         grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
-    for start in range(0, len(targets_N), chunk):
+    starts = range(0, len(targets_N), chunk)
+    for start in starts:
         part = slice(start, start + chunk)
         h_CD = h_ND[part]
         parts_C, grad_CV = body(h_CD, w_VD, safe_N[part], vocab_size, bufs, want_grad)
@@ -197,7 +198,7 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
             grad_w_VD += grad_CV.T @ hs_CD
     if want_grad and not eager:  # summed chunk by chunk: see _fused_body
         loss = sum(torch.where(valid_N[start:start + chunk], _loss_of(p), 0.0).sum()
-                   for start, p in zip(range(0, len(targets_N), chunk), parts))
+                   for start, p in zip(starts, parts))
         return loss, torch.cat(grads_h), grad_w_VD
     loss_N = torch.where(valid_N, _loss_of([torch.cat(p) for p in zip(*parts)]), 0.0)
     if eager:  # (the fused body's log-sum-exp is exact at any probability)
