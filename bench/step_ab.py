@@ -10,6 +10,7 @@ timing.
     python -m bench.step_ab logits --shape A --dtype fp32 # pipeline.loss._eager_body (CPU)
     python -m bench.step_ab softmax --shape A             # pipeline.loss._eager_from_logits
     python -m bench.step_ab accumulate --shape A          # pipeline.loss._add_by_blocks (bf16)
+    python -m bench.step_ab headgrad --shape A --compile --dtype fp32  # pipeline.loss._add_head_grad
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
     python -m bench.step_ab peers --shape B --dtype fp32  # train_bench's configurations, paired
     python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
@@ -32,7 +33,7 @@ import torch
 
 from bench import train_bench as tb
 from bench.common import header
-from pipeline.loss import _eager_from_logits
+from pipeline.loss import _add_head_grad, _eager_from_logits, _fused_by_columns
 
 WARMUP = 2
 
@@ -43,21 +44,12 @@ def rope_by_roll(x_BTNK, cos, sin):
     return x_BTNK * cos + x_BTNK.roll(x_BTNK.shape[-1] // 2, dims=-1) * sin
 
 
-def fused_body_three_passes(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
-    """FusedLoss's chunk body before: each row's loss inside the chunk (log-sum-exp, less the
-    target's logit gathered), per-row ops that split inductor's loop over the rows into three
-    passes over the whole chunk, with two exps per element."""
-    logits_CV = (h_CD @ w_VD.T).float()
+def fused_body_computed_columns(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
+    """FusedLoss's chunk body before: the column indices made inside the traced code, which
+    inductor folds into its loop over each row (an index vector built per vector of logits,
+    for the padding mask and the target's one-hot) instead of reading them."""
     cols_V = torch.arange(w_VD.shape[0], device=h_CD.device, dtype=torch.int32)
-    if vocab_size < w_VD.shape[0]:
-        logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
-    lse_C = logits_CV.logsumexp(dim=-1)
-    loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
-    if not want_grad:
-        return (loss_C,), None
-    one_hot_CV = cols_V == safe_C.to(torch.int32)[:, None]
-    grad_CV = torch.exp(logits_CV - lse_C[:, None]) - one_hot_CV.float()
-    return (loss_C,), grad_CV.to(h_CD.dtype)
+    return _fused_by_columns(h_CD, w_VD, safe_C.to(torch.int32), cols_V, vocab_size, want_grad)
 
 
 def eager_body_onednn(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
@@ -88,12 +80,24 @@ def add_whole(sum_VD, part_VD):
     sum_VD += part_VD
 
 
+def head_grad_zeros_addmm(sum_VD, grad_CV, hs_CD, eager):
+    """The head's fp32 gradient before: a sum of V x D zeros first, and fp32 chunks added by
+    Tensor.addmm_, which inductor traces into an out-of-place addmm (a copy of the sum per
+    chunk). Other dtypes: as shipped."""
+    if grad_CV.dtype != torch.float32:
+        return _add_head_grad(sum_VD, grad_CV, hs_CD, eager)
+    if sum_VD is None:
+        sum_VD = hs_CD.new_zeros(grad_CV.shape[1], hs_CD.shape[1])
+    return sum_VD.addmm_(grad_CV.T, hs_CD)
+
+
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
-         "loss": ("pipeline.loss", "_fused_body", fused_body_three_passes),
+         "loss": ("pipeline.loss", "_fused_body", fused_body_computed_columns),
          "logits": ("pipeline.loss", "_eager_body", eager_body_onednn),
          "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax),
-         "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole)}
+         "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole),
+         "headgrad": ("pipeline.loss", "_add_head_grad", head_grad_zeros_addmm)}
 
 
 def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:

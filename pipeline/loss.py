@@ -107,11 +107,27 @@ def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
     return loss_N.index_put((rows,), exact_R)
 
 
+@torch.library.custom_op("lmforge::chunk_columns", mutates_args=())
+def _chunk_columns(safe_C: torch.Tensor, n_columns: int) -> list[torch.Tensor]:
+    """A chunk's targets and the head's column indices, int32 (an int64 compare takes twice the
+    vectors). An op of our own, so that inductor cannot fold the columns back into its loop
+    over the logits: there an index vector built per vector of logits cost a quarter of the
+    chunk's time, where reading one costs a load (bench/step_ab.py loss). One call per chunk
+    (its targets): inductor fuses kernels that read one buffer into one, every chunk's logits
+    alive at once."""
+    cols_V = torch.arange(n_columns, dtype=torch.int32, device=safe_C.device)
+    return [safe_C.to(torch.int32, copy=True), cols_V]  # (an op's outputs never alias its inputs)
+
+
+@_chunk_columns.register_fake
+def _(safe_C, n_columns):
+    return [torch.empty_like(safe_C, dtype=torch.int32),
+            safe_C.new_empty(n_columns, dtype=torch.int32)]
+
+
 def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """Functional ops only, so that inductor can fuse them (it turns out= and in-place writes
-    into copies). Column indices in int32, and no padding mask where the head has no padded
-    column: every pass over the chunk compares them, and an int64 compare takes twice the
-    vectors (bench/results/step_ab_zen4.txt).
+    into copies), and no padding term where the head has no padded column.
 
     Every op here spans the chunk's rows and columns, which lets inductor make one loop over
     the rows: each row's max, its exponentials (kept in a row buffer that stays in cache), their
@@ -120,11 +136,15 @@ def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     whole chunk, so the target's logit is a masked sum and the loss is left to _loss_of, outside
     the chunk's loop (a sum over its rows, or a cat of the per-row parts kept [C, 1], which
     inductor writes in place) (bench/step_ab.py loss)."""
+    safe_C, cols_V = _chunk_columns(safe_C, w_VD.shape[0])
+    return _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad)
+
+
+def _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad):
     logits_CV = (h_CD @ w_VD.T).float()
-    cols_V = torch.arange(w_VD.shape[0], device=h_CD.device, dtype=torch.int32)
     if vocab_size < w_VD.shape[0]:
         logits_CV = logits_CV.masked_fill(cols_V >= vocab_size, float("-inf"))
-    one_hot_CV = cols_V == safe_C.to(torch.int32)[:, None]
+    one_hot_CV = cols_V == safe_C[:, None]
     target_C1 = torch.where(one_hot_CV, logits_CV, 0.0).sum(dim=-1, keepdim=True)
     max_C1 = logits_CV.amax(dim=-1, keepdim=True)
     exp_CV = torch.exp(logits_CV - max_C1)
@@ -166,6 +186,33 @@ def _add_by_blocks(sum_VD: torch.Tensor, part_VD: torch.Tensor) -> None:
         sum_VD[start:start + rows] += part_VD[start:start + rows]
 
 
+@torch.library.custom_op("lmforge::addmm_", mutates_args=("sum_VD",))
+def _addmm_in_place(sum_VD: torch.Tensor, a_VC: torch.Tensor, b_CD: torch.Tensor) -> None:
+    """sum_VD += a_VC @ b_CD in place. Traced, Tensor.addmm_ becomes inductor's out-of-place
+    addmm, which copies the V x D sum into a fresh buffer per chunk; an op of our own that
+    mutates its input is called in place (inductor's reinplacing of mutating custom ops)."""
+    sum_VD.addmm_(a_VC, b_CD)
+
+
+@_addmm_in_place.register_fake
+def _(sum_VD, a_VC, b_CD) -> None:
+    return None
+
+
+def _add_head_grad(sum_VD, grad_CV, hs_CD, eager):
+    """The head's fp32 gradient sum plus one chunk's grad_CVᵀ hs_CD. Before the first chunk the
+    sum is None: it starts as that chunk's product, with no V x D zeros written first."""
+    if sum_VD is None:
+        return (grad_CV.T @ hs_CD).float()
+    if grad_CV.dtype == torch.float32:
+        _addmm_in_place(sum_VD, grad_CV.T, hs_CD)
+    elif eager:  # no mixed-dtype addmm on CPU: a bf16 product added in fp32
+        _add_by_blocks(sum_VD, grad_CV.T @ hs_CD)
+    else:  # (inductor fuses the upcast into the add)
+        sum_VD += grad_CV.T @ hs_CD
+    return sum_VD
+
+
 def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_scale_N=None):
     """Loss of N tokens (fp32) by chunks of `chunk` tokens: (loss_N, None, None); or, given
     grad_scale_N, their summed loss and the gradients of sum(grad_scale_N * loss_N) w.r.t. h_ND
@@ -179,7 +226,7 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
     parts, grads_h = [], []
     if want_grad:
         scale_N1 = torch.where(valid_N, grad_scale_N, 0.0)[:, None].to(h_ND.dtype)
-        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
+    grad_w_VD = None
     starts = range(0, len(targets_N), chunk)
     for start in starts:
         part = slice(start, start + chunk)
@@ -189,13 +236,7 @@ def _chunks(body, h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, grad_s
         if not want_grad:
             continue
         grads_h.append((grad_CV @ w_VD) * scale_N1[part])
-        hs_CD = h_CD * scale_N1[part]
-        if grad_CV.dtype == torch.float32:
-            grad_w_VD.addmm_(grad_CV.T, hs_CD)
-        elif eager:  # no mixed-dtype addmm on CPU: a bf16 product added in fp32
-            _add_by_blocks(grad_w_VD, grad_CV.T @ hs_CD)
-        else:  # (inductor fuses the upcast into the add)
-            grad_w_VD += grad_CV.T @ hs_CD
+        grad_w_VD = _add_head_grad(grad_w_VD, grad_CV, h_CD * scale_N1[part], eager)
     if want_grad and not eager:  # summed chunk by chunk: see _fused_body
         loss = sum(torch.where(valid_N[start:start + chunk], _loss_of(p), 0.0).sum()
                    for start, p in zip(starts, parts))

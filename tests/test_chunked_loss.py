@@ -243,7 +243,7 @@ def test_bf16_head_gradient_adds_up_without_casting_it_whole_per_chunk(monkeypat
             loss = model(idx_BT, targets_BT, loss_fn=ChunkedLoss(chunk))
         loss.backward()
 
-    casts = {chunk: whole_casts(shape, lambda: step(chunk)) for chunk in (64, 8)}  # 2, 16 chunks
+    casts = {chunk: whole_casts(shape, lambda c=chunk: step(c)) for chunk in (64, 8)}  # 2, 16 chunks
     assert casts[8] == casts[64], casts
     added_whole = whole_casts(shape, lambda: torch.zeros(shape).add_(torch.ones(shape).bfloat16()))
     assert added_whole == 2  # the counter sees the cast inside add_ (and the one asked for)

@@ -294,12 +294,8 @@ def test_compiled_forward_and_loss_equal_eager_without_recompiles(chunk, attend)
                                    rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("vocab_size", [1000, 1024])  # with padded columns and without
-def test_the_fused_loss_is_one_loop_over_each_chunks_rows(vocab_size):
-    """FusedLoss's reason to be, on CPU: inductor makes each chunk one loop over its rows (the
-    row's max, its exps kept in a row buffer, their sum, the gradient: one exp per element,
-    one read of the logits). A per-row op joined to the chunk (the loss, a gather, a cat's
-    copy) splits that loop into three passes over the whole chunk."""
+def _compiled_loss_code(vocab_size: int) -> str:
+    """Inductor's code for FusedLoss's forward and backward, fp32, 4 chunks."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -307,9 +303,34 @@ def test_the_fused_loss_is_one_loop_over_each_chunks_rows(vocab_size):
     h_BTD = torch.randn(2, 32, 32, generator=g, requires_grad=True)
     w_VD = torch.randn(1024, 32, generator=g, requires_grad=True)
     y_BT = torch.randint(0, vocab_size, (2, 32), generator=g)
-    loss_fn = torch.compile(FusedLoss(16), dynamic=False)  # 4 chunks
+    loss_fn = torch.compile(FusedLoss(16), dynamic=False)
     with torch._inductor.config.patch(fx_graph_cache=False):
         _, code = run_and_get_code(lambda: loss_fn(h_BTD, w_VD, y_BT, vocab_size).backward())
-    kernels = [k for k in re.split(r"async_compile\.cpp_pybinding", "\n".join(code)) if "exp(" in k]
-    assert len(kernels) == 4, "\n".join(code)
-    assert all(k.count("for(int64_t x0=") == 1 for k in kernels), "\n".join(kernels)
+    return "\n".join(code)
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 1024])  # with padded columns and without
+def test_the_fused_loss_is_one_loop_over_each_chunks_rows(vocab_size):
+    """FusedLoss's reason to be, on CPU: inductor makes each chunk one loop over its rows (the
+    row's max, its exps kept in a row buffer, their sum, the gradient: one exp per element,
+    one read of the logits). A per-row op joined to the chunk (the loss, a gather, a cat's
+    copy) splits that loop into three passes over the whole chunk. The column indices and the
+    padding mask are read, not built per vector of logits (arange)."""
+    code = _compiled_loss_code(vocab_size)
+    kernels = {name: src for name, src in  # the chunks' kernel: inductor reuses one kernel's code
+               re.findall(r"^(\w+) = async_compile\.cpp_pybinding\((.*?)^'''\)", code, re.M | re.S)
+               if "exp(" in src}
+    calls = sum(len(re.findall(rf"^\s+{name}\(", code, re.M)) for name in kernels)
+    assert calls == 4, code  # one per chunk: no two chunks fused into one kernel
+    assert all(k.count("for(int64_t x0=") == 1 for k in kernels.values()), code
+    assert not any("arange(" in k for k in kernels.values()), code
+
+
+def test_the_fp32_head_gradient_is_summed_in_place():
+    """Each chunk's fp32 head gradient is added into the V x D sum in place: no out-of-place
+    addmm (a copy of the sum per chunk), and no V x D zeros before the first chunk."""
+    code = _compiled_loss_code(1000)
+    assert "extern_kernels.addmm(" not in code, code
+    assert code.count("torch.ops.lmforge.addmm_.default(") == 3, code  # chunks 2-4
+    assert "(1024, 32), (32, 1), torch.float32)" in code  # the sum: the first chunk's product
+    assert not re.search(r"cpp_fused_[a-z_]*zeros", code), code
