@@ -111,7 +111,7 @@ def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
 def _chunk_columns(safe_C: torch.Tensor, n_columns: int) -> list[torch.Tensor]:
     """A chunk's targets and the head's column indices, int32 (an int64 compare takes twice the
     vectors). An op of our own, so that inductor cannot fold the columns back into its loop
-    over the logits: there an index vector built per vector of logits cost a quarter of the
+    over the logits: there an index vector built per vector of logits cost a third of the
     chunk's time, where reading one costs a load (bench/step_ab.py loss). One call per chunk
     (its targets): inductor fuses kernels that read one buffer into one, every chunk's logits
     alive at once."""

@@ -33,7 +33,7 @@ def test_computed_columns_body_is_the_shipped_loss_body(vocab_size, want_grad):
     safe_C = torch.randint(0, vocab_size, (24,))
     ref = step_ab.fused_body_computed_columns(h_CD, w_VD, safe_C, vocab_size, None, want_grad)
     got = _fused_body(h_CD, w_VD, safe_C, vocab_size, None, want_grad)
-    for a, b in zip(got[0], ref[0]):  # a mask added or filled in: the same numbers
+    for a, b in zip(got[0], ref[0]):  # columns read or computed: the same numbers
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     if want_grad:
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
