@@ -11,6 +11,7 @@ timing.
     python -m bench.step_ab softmax --shape A             # pipeline.loss._eager_from_logits
     python -m bench.step_ab accumulate --shape A          # pipeline.loss._add_by_blocks (bf16)
     python -m bench.step_ab headgrad --shape A --compile --dtype fp32  # pipeline.loss._add_head_grad
+    python -m bench.step_ab attention --shape B --compile  # pipeline.attention._scores (eager)
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
     python -m bench.step_ab peers --shape B --dtype fp32  # train_bench's configurations, paired
     python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
@@ -91,13 +92,26 @@ def head_grad_zeros_addmm(sum_VD, grad_CV, hs_CD, eager):
     return sum_VD.addmm_(grad_CV.T, hs_CD)
 
 
+def scores_by_autograd(q_BHTK, k_BHSK, bias_TS, is_causal):
+    """The eager attention's scores before: autograd's matmul, whose k gradient is (qᵀ @ dS)ᵀ,
+    and the causal mask built in the traced code (triu), where inductor computes it per vector
+    of scores."""
+    s_BHTS = q_BHTK @ k_BHSK.transpose(-1, -2)
+    if is_causal:
+        T, S = s_BHTS.shape[-2:]
+        bias_TS = torch.full((T, S), float("-inf"), dtype=s_BHTS.dtype,
+                             device=s_BHTS.device).triu(1)
+    return s_BHTS if bias_TS is None else s_BHTS.add_(bias_TS)
+
+
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
          "loss": ("pipeline.loss", "_fused_body", fused_body_computed_columns),
          "logits": ("pipeline.loss", "_eager_body", eager_body_onednn),
          "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax),
          "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole),
-         "headgrad": ("pipeline.loss", "_add_head_grad", head_grad_zeros_addmm)}
+         "headgrad": ("pipeline.loss", "_add_head_grad", head_grad_zeros_addmm),
+         "attention": ("pipeline.attention", "_scores", scores_by_autograd)}
 
 
 def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:
@@ -192,7 +206,8 @@ def main() -> None:
         return
     module_name, attr, before = SWAPS[a.swap]
     module = importlib.import_module(module_name)
-    r = tb.Run("lmforge", shapes[a.shape], a.compile, "cpu", dtype, **dims)
+    kernel = "eager" if a.swap == "attention" else "auto"  # the swap is in the eager kernel
+    r = tb.Run("lmforge", shapes[a.shape], a.compile, "cpu", dtype, attention=kernel, **dims)
     run_once = decode_once(r, 128) if a.decode else tb.training_step(r)
     seconds = paired(run_once, module, attr, {"shipped": getattr(module, attr), "before": before},
                      a.pairs)

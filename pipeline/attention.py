@@ -44,26 +44,63 @@ def eager_attention(q_BHTK: torch.Tensor, k_BGSK: torch.Tensor, v_BGSK: torch.Te
                     enable_gqa: bool = False) -> torch.Tensor:
     """SDPA's result (no dropout, default scale) from two matmuls and a softmax. A boolean
     attn_mask is True where a query may attend; is_causal is SDPA's top-left causal mask."""
-    H, T, K = q_BHTK.shape[1:]
-    G, S = k_BGSK.shape[1:3]
+    H, K = q_BHTK.shape[1], q_BHTK.shape[3]
+    G = k_BGSK.shape[1]
     if enable_gqa and G != H:
         k_BGSK = k_BGSK.repeat_interleave(H // G, dim=1)
         v_BGSK = v_BGSK.repeat_interleave(H // G, dim=1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q_BHTK.dtype,
+                                device=q_BHTK.device).masked_fill_(~attn_mask, float("-inf"))
     # The scale on q (T x K values) rather than on the scores (T x S).
-    s_BHTS = (q_BHTK * K**-0.5) @ k_BGSK.transpose(-1, -2)
-    if is_causal:  # SDPA's top-left mask (tril) as an additive bias, in one op
-        attn_mask = torch.full((T, S), float("-inf"), dtype=s_BHTS.dtype,
-                               device=s_BHTS.device).triu(1)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros(attn_mask.shape, dtype=s_BHTS.dtype,
-                                    device=s_BHTS.device).masked_fill_(~attn_mask, float("-inf"))
-        # In place: the matmul's backward needs its inputs, not its output; an added bias
-        # measured faster than masked_fill on CPU.
-        s_BHTS = s_BHTS.add_(attn_mask)
+    s_BHTS = _scores(q_BHTK * K**-0.5, k_BGSK, attn_mask, is_causal)
     # In the scores' dtype: CPU softmax computes bf16 in fp32 inside, and CUDA autocast runs it
     # in fp32 anyway.
     return torch.softmax(s_BHTS, dim=-1) @ v_BGSK
+
+
+@torch.library.custom_op("lmforge::causal_bias", mutates_args=())
+def _causal_bias(T: int, S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """SDPA's top-left causal mask as an additive T x S bias (-inf above the diagonal). An op of
+    our own, so that compiled, the softmax reads the bias: traced, triu's index compare is folded
+    into the softmax's loop as int64 index vectors per vector of scores, which doubled that
+    kernel's time (bench/step_ab.py attention)."""
+    return torch.full((T, S), float("-inf"), dtype=dtype, device=device).triu(1)
+
+
+@_causal_bias.register_fake
+def _(T, S, dtype, device):
+    return torch.empty(T, S, dtype=dtype, device=device)
+
+
+class _BiasedScores(torch.autograd.Function):
+    """q @ kᵀ + bias. Autograd's k gradient of q @ k.transpose(-1, -2) is (qᵀ @ dS)ᵀ, a K x S
+    product: compiled RoPE's backward then loads it element by element. Here it is dSᵀ @ q, in
+    k's own layout."""
+
+    @staticmethod
+    def forward(ctx, q_BHTK, k_BHSK, bias_TS):
+        ctx.save_for_backward(q_BHTK, k_BHSK)
+        s_BHTS = q_BHTK @ k_BHSK.transpose(-1, -2)
+        # In place: the backward needs the inputs, not the scores; an added bias measured faster
+        # than masked_fill on CPU.
+        return s_BHTS if bias_TS is None else s_BHTS.add_(bias_TS)
+
+    @staticmethod
+    def backward(ctx, ds_BHTS):
+        # In the dtype autocast gave the forward's matmul (the scores'); autograd casts each
+        # gradient back to its input's dtype.
+        q_BHTK, k_BHSK = (t.to(ds_BHTS.dtype) for t in ctx.saved_tensors)
+        return ds_BHTS @ k_BHSK, ds_BHTS.transpose(-1, -2) @ q_BHTK, None
+
+
+def _scores(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, bias_TS: torch.Tensor | None,
+            is_causal: bool) -> torch.Tensor:
+    """q @ kᵀ plus an additive bias: bias_TS, or SDPA's top-left causal mask when is_causal."""
+    if is_causal:
+        T, S = q_BHTK.shape[-2], k_BHSK.shape[-2]
+        bias_TS = torch.ops.lmforge.causal_bias(T, S, q_BHTK.dtype, q_BHTK.device)
+    return _BiasedScores.apply(q_BHTK, k_BHSK, bias_TS)
 
 
 KERNELS: dict[str, Attend] = {"sdpa": F.scaled_dot_product_attention, "eager": eager_attention}

@@ -5,6 +5,7 @@ train.attention = auto chooses from what it measures, says so, and keeps its cho
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -74,6 +75,33 @@ def test_eager_attention_in_bf16_is_as_close_to_fp64_as_sdpa_is(H, G, T, S, kind
         scale = x.abs().max().item()
         err_eager, err_sdpa = (e - x).abs().max().item(), (s - x).abs().max().item()
         assert err_eager <= max(2 * err_sdpa, 4 * 2**-8 * scale), (name, err_eager, err_sdpa, scale)
+
+
+def test_the_key_gradient_comes_in_the_keys_own_layout():
+    """Autograd's k gradient of q @ k.transpose(-1, -2) is (qᵀ @ dS)ᵀ, strided: compiled, RoPE's
+    backward then loads it element by element. The eager kernel's is dSᵀ @ q."""
+    q, k, v = heads(2, 4, 4, 32, 32, torch.float32)
+    strides = []
+    k.register_hook(lambda g: strides.append(g.stride()))
+    run(attention.eager_attention, (q, k, v), is_causal=True)
+    assert strides == [k.stride()]
+
+
+def test_compiled_softmax_reads_the_causal_mask():
+    """Traced, triu's mask became an int64 index compare per vector of scores inside the
+    softmax's loop; the lmforge::causal_bias op is read instead."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q, k, v = heads(2, 4, 4, 64, 64, torch.float32)
+    attend = torch.compile(attention.eager_attention, dynamic=False)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, code = run_and_get_code(lambda: attend(q, k, v, is_causal=True).sum().backward())
+    code = "\n".join(code)
+    assert "torch.ops.lmforge.causal_bias.default(" in code, code
+    kernels = re.findall(r"async_compile\.cpp_pybinding\((.*?)^'''\)", code, re.M | re.S)
+    softmax = [src for src in kernels if "exp(" in src]
+    assert softmax and not any("arange(" in src for src in softmax), code
 
 
 def loss_and_grads(attend):

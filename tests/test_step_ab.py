@@ -12,6 +12,7 @@ from bench import step_ab
 from bench.runs import run
 from model import ModelConfig
 from model.model import apply_rope, rope_tables
+from pipeline import attention
 from pipeline import loss as loss_module
 from pipeline.loss import _eager_body, _eager_buffers, _eager_from_logits, _fused_body
 
@@ -67,6 +68,22 @@ def test_log_softmax_body_is_the_shipped_softmax_body(dtype, want_grad):
         assert got[1].dtype == ref[1].dtype == dtype
         torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
     assert (got[1] is None) == (not want_grad)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bias", "none"])
+def test_autograd_scores_are_the_shipped_scores(mask):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 16, 8, generator=g), torch.randn(2, 4, 24, 8, generator=g)
+    bias = torch.randn(16, 24, generator=g) if mask == "bias" else None
+    dS = torch.randn(2, 4, 16, 24, generator=g)
+    out = []
+    for fn in (step_ab.scores_by_autograd, attention._scores):
+        q_, k_ = q.clone().requires_grad_(), k.clone().requires_grad_()
+        s = fn(q_, k_, bias, mask == "causal")
+        s.backward(dS.masked_fill(s.isinf(), 0))
+        out.append((s.detach(), q_.grad, k_.grad))
+    for a, b in zip(*out):  # dSᵀ @ q and (qᵀ @ dS)ᵀ: equal to fp32 rounding
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_whole_add_is_the_shipped_blocked_add(monkeypatch):
