@@ -12,6 +12,8 @@ timing.
     python -m bench.step_ab accumulate --shape A          # pipeline.loss._add_by_blocks (bf16)
     python -m bench.step_ab headgrad --shape A --compile --dtype fp32  # pipeline.loss._add_head_grad
     python -m bench.step_ab attention --shape B --compile  # pipeline.attention._scores (eager)
+    python -m bench.step_ab gradexp --shape A --compile --dtype fp32  # pipeline.loss._grad_over_logits
+    python -m bench.step_ab tiedgrad --shape A --compile  # pipeline.graph_passes (two models)
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
     python -m bench.step_ab peers --shape B --dtype fp32  # train_bench's configurations, paired
     python -m bench.step_ab loss --smoke --pairs 2        # tiny shapes: the code path (a test)
@@ -104,6 +106,18 @@ def scores_by_autograd(q_BHTK, k_BHSK, bias_TS, is_causal):
     return s_BHTS if bias_TS is None else s_BHTS.add_(bias_TS)
 
 
+def grad_from_kept_exps(dtype: torch.dtype) -> bool:
+    """FusedLoss's chunk gradient before, in every dtype: the row's kept exponentials over their
+    sum (one exp per element), into a C x V buffer of its own."""
+    return False
+
+
+def no_graph_passes() -> dict:
+    """pipeline.graph_passes.compile_options before: inductor's own passes only (the tied
+    weight's two gradients summed as autograd's decomposition leaves them)."""
+    return {}
+
+
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
          "loss": ("pipeline.loss", "_fused_body", fused_body_computed_columns),
@@ -111,7 +125,9 @@ SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
          "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax),
          "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole),
          "headgrad": ("pipeline.loss", "_add_head_grad", head_grad_zeros_addmm),
-         "attention": ("pipeline.attention", "_scores", scores_by_autograd)}
+         "attention": ("pipeline.attention", "_scores", scores_by_autograd),
+         "gradexp": ("pipeline.loss", "_grad_over_logits", grad_from_kept_exps)}
+BUILD_SWAPS = {"tiedgrad": ("pipeline.parallelize", "compile_options", no_graph_passes)}
 
 
 def decode_once(r: tb.Run, new_tokens: int) -> Callable[[], None]:
@@ -153,6 +169,18 @@ def paired(run_once: Callable[[], None], module, attr: str, fns: dict, pairs: in
         setattr(module, attr, shipped)
 
 
+def built_apart(r: tb.Run, module, attr: str, fns: dict, pairs: int) -> dict:
+    """alternating() of one step per fn, each built (and compiled) with module.attr set to it."""
+    shipped, steps = getattr(module, attr), {}
+    try:
+        for name, fn in fns.items():
+            setattr(module, attr, fn)
+            steps[name] = tb.training_step(r)
+    finally:
+        setattr(module, attr, shipped)
+    return alternating(steps, pairs)
+
+
 def report(seconds: dict[str, list[float]], ref: str) -> list[str]:
     """Each call's median, and the median (and quartiles) of its time over `ref`'s, paired round
     by round (> 1: `ref` is the faster)."""
@@ -178,7 +206,7 @@ def peers(shapes, dims, shape: str, dtype: str) -> dict[str, Callable[[], None]]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("swap", choices=[*SWAPS, "peers"])
+    p.add_argument("swap", choices=[*SWAPS, *BUILD_SWAPS, "peers"])
     p.add_argument("--shape", choices=list(tb.SHAPES), default="B")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
@@ -197,6 +225,8 @@ def main() -> None:
                 "--compile or --decode")
     if a.swap in ("softmax", "accumulate") and (a.compile or a.decode):
         p.error(f"{a.swap} swaps a step of the eager loss: run it without --compile or --decode")
+    if a.swap in BUILD_SWAPS and (not a.compile or a.decode):
+        p.error(f"{a.swap} swaps what torch.compile runs: run it with --compile, without --decode")
     if a.swap == "peers":
         seconds = alternating(peers(shapes, dims, a.shape, dtype), a.pairs)
         print(header())
@@ -204,13 +234,16 @@ def main() -> None:
               f"{a.pairs} rounds after {WARMUP} warm-up, one process")
         print("\n".join(report(seconds, tb.name("lmforge", True))))
         return
-    module_name, attr, before = SWAPS[a.swap]
+    module_name, attr, before = {**SWAPS, **BUILD_SWAPS}[a.swap]
     module = importlib.import_module(module_name)
+    fns = {"shipped": getattr(module, attr), "before": before}
     kernel = "eager" if a.swap == "attention" else "auto"  # the swap is in the eager kernel
     r = tb.Run("lmforge", shapes[a.shape], a.compile, "cpu", dtype, attention=kernel, **dims)
-    run_once = decode_once(r, 128) if a.decode else tb.training_step(r)
-    seconds = paired(run_once, module, attr, {"shipped": getattr(module, attr), "before": before},
-                     a.pairs)
+    if a.swap in BUILD_SWAPS:
+        seconds = built_apart(r, module, attr, fns, a.pairs)
+    else:
+        run_once = decode_once(r, 128) if a.decode else tb.training_step(r)
+        seconds = paired(run_once, module, attr, fns, a.pairs)
     what = "decode, fp32" if a.decode else f"{'compiled' if a.compile else 'eager'}, {dtype}"
     print(header())
     print(f"{module_name}.{attr}: shipped vs before, shape {a.shape} (V {r.vocab}), {what}, "

@@ -135,9 +135,24 @@ def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     loss, or a gather of the target's logit) would split that loop into three passes over the
     whole chunk, so the target's logit is a masked sum and the loss is left to _loss_of, outside
     the chunk's loop (a sum over its rows, or a cat of the per-row parts kept [C, 1], which
-    inductor writes in place) (bench/step_ab.py loss)."""
+    inductor writes in place) (bench/step_ab.py loss).
+
+    The gradient reads the row's exponentials back from that buffer, one exp per element. In
+    fp32 (_grad_over_logits) it is a second exp of the logits instead, which lets inductor write
+    it over the logits: one C x V fp32 buffer per chunk, not two, for a second read of the chunk
+    (the log-sum-exp it shares with the loss splits the loop into passes)."""
     safe_C, cols_V = _chunk_columns(safe_C, w_VD.shape[0])
     return _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad)
+
+
+def _grad_over_logits(dtype: torch.dtype) -> bool:
+    """Whether the fused body's gradient is exp(logits - log-sum-exp), written over the logits,
+    rather than the row's kept exponentials over their sum. In fp32: a C x V fp32 gradient of
+    its own per chunk (at GPT-2's vocabulary larger than the heap keeps, so faulted in page by
+    page) set the step's peak and most of its page faults, and the second exp and pass measured
+    within the noise of the step; in bf16 they cost a few % of a step for little memory (the
+    logits half as wide) (bench/results/step_ab_zen4.txt)."""
+    return dtype == torch.float32
 
 
 def _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad):
@@ -152,7 +167,10 @@ def _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad):
     parts = (max_C1, sumexp_C1, target_C1)
     if not want_grad:
         return parts, None
-    grad_CV = exp_CV / sumexp_C1 - one_hot_CV.float()
+    if _grad_over_logits(h_CD.dtype):
+        grad_CV = torch.exp(logits_CV - (max_C1 + sumexp_C1.log())) - one_hot_CV.float()
+    else:
+        grad_CV = exp_CV / sumexp_C1 - one_hot_CV.float()
     return parts, grad_CV.to(h_CD.dtype)
 
 

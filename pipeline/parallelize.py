@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model import GPT
 from pipeline.attention import Attend
 from pipeline.distributed import DistInfo
+from pipeline.graph_passes import compile_options
 from pipeline.hardware import MMAP_THRESHOLD, resolve_dtype, set_cpu_allocator
 from pipeline.loss import EAGER_LOSS, HeadLoss, select_loss
 from pipeline.materialize import materialize
@@ -164,12 +165,13 @@ def compile_regions(model: GPT, per_block: bool) -> None:
     The loss the forward is handed (select_loss's FusedLoss) is traced with it; under FSDP2 the
     blocks are compiled alone (its all-gather hooks run between them) and the loss compiles as
     its own region. dynamic=False: training's one shape and eval's one shape get a static graph
-    each (eval batches are padded to one shape), instead of a slower dynamic-shape graph."""
+    each (eval batches are padded to one shape), instead of a slower dynamic-shape graph.
+    Inductor runs pipeline.graph_passes' rewrites on what it compiles."""
     if not per_block:
-        model.compile(dynamic=False)
+        model.compile(dynamic=False, options=compile_options())
         return
     for block in model.blocks:
-        block.compile(dynamic=False)
+        block.compile(dynamic=False, options=compile_options())
 
 
 def compiled_graphs() -> int:

@@ -17,6 +17,7 @@ import torch
 from model import GPT, ModelConfig
 from pipeline import attention
 from pipeline import compile_policy as policy
+from pipeline import loss as loss_module
 from pipeline import parallelize as par
 from pipeline.distributed import DistInfo
 from pipeline.loss import FusedLoss, select_loss
@@ -294,14 +295,14 @@ def test_compiled_forward_and_loss_equal_eager_without_recompiles(chunk, attend)
                                    rtol=1e-5, atol=1e-4)
 
 
-def _compiled_loss_code(vocab_size: int) -> str:
-    """Inductor's code for FusedLoss's forward and backward, fp32, 4 chunks."""
+def _compiled_loss_code(vocab_size: int, dtype: torch.dtype = torch.float32) -> str:
+    """Inductor's code for FusedLoss's forward and backward, 4 chunks."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
-    h_BTD = torch.randn(2, 32, 32, generator=g, requires_grad=True)
-    w_VD = torch.randn(1024, 32, generator=g, requires_grad=True)
+    h_BTD = torch.randn(2, 32, 32, generator=g).to(dtype).requires_grad_()
+    w_VD = torch.randn(1024, 32, generator=g).to(dtype).requires_grad_()
     y_BT = torch.randint(0, vocab_size, (2, 32), generator=g)
     loss_fn = torch.compile(FusedLoss(16), dynamic=False)
     with torch._inductor.config.patch(fx_graph_cache=False):
@@ -309,20 +310,40 @@ def _compiled_loss_code(vocab_size: int) -> str:
     return "\n".join(code)
 
 
+def _chunk_kernels(code: str) -> dict[str, str]:
+    """The chunks' kernels (those with an exp), by name, and how many times they are called."""
+    kernels = {name: src for name, src in
+               re.findall(r"^(\w+) = async_compile\.cpp_pybinding\((.*?)^'''\)", code, re.M | re.S)
+               if "exp(" in src}
+    calls = sum(len(re.findall(rf"^\s+{name}\(", code, re.M)) for name in kernels)
+    return kernels, calls
+
+
 @pytest.mark.parametrize("vocab_size", [1000, 1024])  # with padded columns and without
-def test_the_fused_loss_is_one_loop_over_each_chunks_rows(vocab_size):
+def test_the_fused_loss_with_kept_exps_is_one_loop_over_each_chunks_rows(vocab_size,
+                                                                         monkeypatch):
     """FusedLoss's reason to be, on CPU: inductor makes each chunk one loop over its rows (the
     row's max, its exps kept in a row buffer, their sum, the gradient: one exp per element,
     one read of the logits). A per-row op joined to the chunk (the loss, a gather, a cat's
     copy) splits that loop into three passes over the whole chunk. The column indices and the
-    padding mask are read, not built per vector of logits (arange)."""
-    code = _compiled_loss_code(vocab_size)
-    kernels = {name: src for name, src in  # the chunks' kernel: inductor reuses one kernel's code
-               re.findall(r"^(\w+) = async_compile\.cpp_pybinding\((.*?)^'''\)", code, re.M | re.S)
-               if "exp(" in src}
-    calls = sum(len(re.findall(rf"^\s+{name}\(", code, re.M)) for name in kernels)
+    padding mask are read, not built per vector of logits (arange). The bf16 rule, compiled in
+    fp32 (bf16 at these tiny shapes fuses the chunks into one kernel)."""
+    monkeypatch.setattr(loss_module, "_grad_over_logits", lambda dtype: False)
+    assert loss_module._grad_over_logits(torch.float32) is False
+    kernels, calls = _chunk_kernels(code := _compiled_loss_code(vocab_size))
     assert calls == 4, code  # one per chunk: no two chunks fused into one kernel
     assert all(k.count("for(int64_t x0=") == 1 for k in kernels.values()), code
+    assert not any("arange(" in k for k in kernels.values()), code
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 1024])
+def test_the_fused_fp32_loss_writes_each_chunks_gradient_over_its_logits(vocab_size):
+    """In fp32 the gradient is exp(logits - log-sum-exp), so inductor writes it into the
+    logits' own buffer (in_out_ptr): no second C x V buffer per chunk. bf16 keeps the exps."""
+    assert not loss_module._grad_over_logits(torch.bfloat16)
+    kernels, calls = _chunk_kernels(code := _compiled_loss_code(vocab_size))
+    assert calls == 4, code
+    assert all("float* in_out_ptr0" in k for k in kernels.values()), code
     assert not any("arange(" in k for k in kernels.values()), code
 
 

@@ -14,6 +14,7 @@ from model import ModelConfig
 from model.model import apply_rope, rope_tables
 from pipeline import attention
 from pipeline import loss as loss_module
+from pipeline import parallelize as par
 from pipeline.loss import _eager_body, _eager_buffers, _eager_from_logits, _fused_body
 
 
@@ -39,6 +40,20 @@ def test_computed_columns_body_is_the_shipped_loss_body(vocab_size, want_grad):
     if want_grad:
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
     assert (got[1] is None) == (not want_grad)
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 1024])
+def test_kept_exps_grad_is_the_shipped_fp32_grad(vocab_size, monkeypatch):
+    torch.manual_seed(0)
+    h_CD, w_VD = torch.randn(24, 16), torch.randn(1024, 16)
+    safe_C = torch.randint(0, vocab_size, (24,))
+    assert loss_module._grad_over_logits(torch.float32)  # (the swap differs from what ships)
+    got = _fused_body(h_CD, w_VD, safe_C, vocab_size, None, True)
+    monkeypatch.setattr(loss_module, "_grad_over_logits", step_ab.grad_from_kept_exps)
+    ref = _fused_body(h_CD, w_VD, safe_C, vocab_size, None, True)
+    for a, b in zip(got[0], ref[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)  # exps taken twice
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -112,6 +127,34 @@ def test_paired_alternates_and_puts_the_shipped_function_back():
     # every round runs both, the order alternating: no function always runs first
     assert calls == ["shipped", "before", "before", "shipped"] * 2 + ["shipped", "before"] * 1
     assert Module.fn() == "shipped"
+
+
+def test_built_apart_builds_each_step_under_its_function_and_puts_the_shipped_back(monkeypatch):
+    class Module:
+        fn = staticmethod(lambda: "shipped")
+
+    calls = []
+
+    def training_step(r):
+        built_with = Module.fn()  # what the step captured when it was built
+        return lambda: calls.append(built_with)
+
+    monkeypatch.setattr(step_ab.tb, "training_step", training_step)
+    fns = {"shipped": Module.fn, "before": lambda: "before"}
+    seconds = step_ab.built_apart(None, Module, "fn", fns, pairs=2)
+    assert [len(s) for s in seconds.values()] == [2, 2]
+    assert calls == ["shipped", "before", "before", "shipped"] * 2
+    assert Module.fn() == "shipped"
+
+
+def test_no_graph_passes_is_the_shipped_options_less_ours():
+    assert step_ab.no_graph_passes() == {}
+    assert set(par.compile_options()) == {"post_grad_custom_pre_pass"}
+
+
+def test_a_build_swap_refuses_an_eager_run():
+    res = run([sys.executable, "-m", "bench.step_ab", "tiedgrad", "--smoke"], timeout=120, retries=0)
+    assert res.returncode == 2 and "error: tiedgrad swaps what torch.compile runs" in res.stdout
 
 
 def test_cli_smoke_prints_the_paired_ratio():
