@@ -27,10 +27,11 @@ way; time ratios each / lmforge compiled (> 1: lmforge compiled is faster).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -153,31 +154,35 @@ def alternating(calls: dict[str, Callable[[], None]], rounds: int) -> dict[str, 
     return seconds
 
 
+@contextlib.contextmanager
+def shipped_put_back(module, attr: str) -> Iterator[None]:
+    """module.attr as it was on entry, whatever the body set it to."""
+    shipped = getattr(module, attr)
+    try:
+        yield
+    finally:
+        setattr(module, attr, shipped)
+
+
 def paired(run_once: Callable[[], None], module, attr: str, fns: dict, pairs: int) -> dict:
     """alternating() of run_once with module.attr set to each of fns; the shipped one put back."""
-    shipped = getattr(module, attr)
-
     def with_fn(fn):
         def call():
             setattr(module, attr, fn)
             run_once()
         return call
 
-    try:
+    with shipped_put_back(module, attr):
         return alternating({name: with_fn(fn) for name, fn in fns.items()}, pairs)
-    finally:
-        setattr(module, attr, shipped)
 
 
 def built_apart(r: tb.Run, module, attr: str, fns: dict, pairs: int) -> dict:
     """alternating() of one step per fn, each built (and compiled) with module.attr set to it."""
-    shipped, steps = getattr(module, attr), {}
-    try:
+    steps = {}
+    with shipped_put_back(module, attr):
         for name, fn in fns.items():
             setattr(module, attr, fn)
             steps[name] = tb.training_step(r)
-    finally:
-        setattr(module, attr, shipped)
     return alternating(steps, pairs)
 
 

@@ -310,7 +310,7 @@ def _compiled_loss_code(vocab_size: int, dtype: torch.dtype = torch.float32) -> 
     return "\n".join(code)
 
 
-def _chunk_kernels(code: str) -> dict[str, str]:
+def _chunk_kernels(code: str) -> tuple[dict[str, str], int]:
     """The chunks' kernels (those with an exp), by name, and how many times they are called."""
     kernels = {name: src for name, src in
                re.findall(r"^(\w+) = async_compile\.cpp_pybinding\((.*?)^'''\)", code, re.M | re.S)

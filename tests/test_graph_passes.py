@@ -95,17 +95,20 @@ def _compiled_grads(tied: bool):
     return grads, scatters
 
 
+def _assert_same_grads(compiled, eager):
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_the_tied_weights_two_gradients_are_one_scatter_into_the_heads():
     (eager, compiled), scatters = _compiled_grads(True)
     assert len(scatters) == 1
     into = scatters[0].args[0]
     assert into.target is not aten.full.default, into.format_node()  # not into zeros of its own
-    for name, grad in eager.items():
-        torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_grads(compiled, eager)
 
 
 def test_an_untied_embeddings_gradient_stays_its_own():
     (eager, compiled), scatters = _compiled_grads(False)
     assert len(scatters) == 1 and scatters[0].args[0].target is aten.full.default
-    for name, grad in eager.items():
-        torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_grads(compiled, eager)
