@@ -11,7 +11,7 @@ timing.
     python -m bench.step_ab softmax --shape A             # pipeline.loss._eager_from_logits
     python -m bench.step_ab accumulate --shape A          # pipeline.loss._add_by_blocks (bf16)
     python -m bench.step_ab headgrad --shape A --compile --dtype fp32  # pipeline.loss._add_head_grad
-    python -m bench.step_ab attention --shape B --compile  # pipeline.attention._scores (eager)
+    python -m bench.step_ab causalblocks --compile  # pipeline.attention.causal_blocks (eager)
     python -m bench.step_ab gradexp --shape A --compile --dtype fp32  # pipeline.loss._grad_over_logits
     python -m bench.step_ab tiedgrad --shape A --compile  # pipeline.graph_passes (two models)
     python -m bench.step_ab rope --decode                 # KV-cache decoding, batch 1
@@ -95,16 +95,10 @@ def head_grad_zeros_addmm(sum_VD, grad_CV, hs_CD, eager):
     return sum_VD.addmm_(grad_CV.T, hs_CD)
 
 
-def scores_by_autograd(q_BHTK, k_BHSK, bias_TS, is_causal):
-    """The eager attention's scores before: autograd's matmul, whose k gradient is (qᵀ @ dS)ᵀ,
-    and the causal mask built in the traced code (triu), where inductor computes it per vector
-    of scores."""
-    s_BHTS = q_BHTK @ k_BHSK.transpose(-1, -2)
-    if is_causal:
-        T, S = s_BHTS.shape[-2:]
-        bias_TS = torch.full((T, S), float("-inf"), dtype=s_BHTS.dtype,
-                             device=s_BHTS.device).triu(1)
-    return s_BHTS if bias_TS is None else s_BHTS.add_(bias_TS)
+def one_query_block(T: int, S: int) -> list[tuple[int, int, int]]:
+    """Causal eager attention before: every query against every key (one block), the scores
+    above the diagonal computed and masked."""
+    return [(0, T, S)]
 
 
 def grad_from_kept_exps(dtype: torch.dtype) -> bool:
@@ -126,7 +120,7 @@ SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
          "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax),
          "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole),
          "headgrad": ("pipeline.loss", "_add_head_grad", head_grad_zeros_addmm),
-         "attention": ("pipeline.attention", "_scores", scores_by_autograd),
+         "causalblocks": ("pipeline.attention", "causal_blocks", one_query_block),
          "gradexp": ("pipeline.loss", "_grad_over_logits", grad_from_kept_exps)}
 BUILD_SWAPS = {"tiedgrad": ("pipeline.parallelize", "compile_options", no_graph_passes)}
 
@@ -242,7 +236,7 @@ def main() -> None:
     module_name, attr, before = {**SWAPS, **BUILD_SWAPS}[a.swap]
     module = importlib.import_module(module_name)
     fns = {"shipped": getattr(module, attr), "before": before}
-    kernel = "eager" if a.swap == "attention" else "auto"  # the swap is in the eager kernel
+    kernel = "eager" if a.swap == "causalblocks" else "auto"  # the swap is in the eager kernel
     r = tb.Run("lmforge", shapes[a.shape], a.compile, "cpu", dtype, attention=kernel, **dims)
     if a.swap in BUILD_SWAPS:
         seconds = built_apart(r, module, attr, fns, a.pairs)

@@ -64,6 +64,7 @@ class Run:
     profile: bool = True  # time profiled steps' matmuls after the timed ones
     loss_chunk: int | None = None  # lmforge: tokens per loss chunk (0: full logits; None: its own)
     attention: str = "auto"  # lmforge: train.attention (main() resolves auto once for all)
+    attention_compiled: str | None = None  # lmforge compiled: its own choice (None: attention)
 
     def model_config(self):
         """lmforge's model at this run's shape (every head its own K/V head, as the peers')."""
@@ -97,7 +98,9 @@ def build_lmforge(r: Run, device):
     info = DistInfo(0, 0, 1, device)
     model = GPT(r.model_config()).to(device)
     precision = Precision(DTYPES[r.dtype], device)
-    choice = attention.resolve(r.attention, model.cfg, r.batch, r.seq_len, precision.dtype, info)
+    requested = (r.compiled and r.attention_compiled) or r.attention
+    choice = attention.resolve(requested, model.cfg, r.batch, r.seq_len, precision.dtype, info,
+                               compiled=r.compiled)
     pm = parallelize(model, info, parallel="none", precision=precision, compile_model=r.compiled,
                      activation_checkpointing=False, attend=attention.kernel(choice))
     if r.loss_chunk is not None:  # bench.loss_chunk's alternatives
@@ -331,6 +334,20 @@ def table(shapes: dict[str, int], impls, res: dict, base: Run, peak: float | Non
     return lines
 
 
+def with_attention(base: Run, dtype, device) -> Run:
+    """base with train.attention = auto resolved for lmforge's eager runs and for its compiled
+    ones (the attention's shape does not depend on V: one choice each for every shape), each
+    choice printed with why."""
+    from pipeline import attention
+
+    for compiled in (False, True):
+        choice, why = attention.choose(base.model_config(), base.batch, base.seq_len, dtype,
+                                       device, compiled)
+        base = replace(base, **{"attention_compiled" if compiled else "attention": choice})
+        print(f"lmforge's train.attention = auto -> {why}")
+    return base
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -350,7 +367,6 @@ def main() -> None:
 
     import torch
 
-    from pipeline import attention
     from pipeline.hardware import dtype_name, matmul_peak
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -362,10 +378,7 @@ def main() -> None:
     rounds, steps = (1, 2) if a.smoke else (1, 3) if a.quick else (a.rounds, a.steps)
     base = Run("lmforge", 0, False, str(device), dtype_name(dtype), steps, **dims)
     print(line)
-    # The attention's shape does not depend on V: one choice for every lmforge run.
-    choice, why = attention.choose(base.model_config(), base.batch, base.seq_len, dtype, device)
-    base = replace(base, attention=choice)
-    print(f"lmforge's train.attention = auto -> {why}")
+    base = with_attention(base, dtype, device)
     print(f"d_model {base.d_model}, {base.n_layer} layers, {base.n_head} heads, T {base.seq_len}, "
           f"batch {base.batch}; {rounds} interleaved rounds x {steps} steps after 2 warm-up steps "
           f"(median step per run, best round per configuration); memory: {memory_kind(base.device)}\n")

@@ -165,7 +165,8 @@ def render(info: dict) -> str:
         f"cpu bf16     {'native' if c['bf16_native'] else 'emulated'} ({c['bf16_evidence']})",
         f"auto dtype   {a['dtype']} on {a['device']}: {a['dtype_why']}",
         f"auto compile {a['compile']['rule']}",
-        f"auto attention {a['attention']['why']} (the demo's model; each run times its own shape)",
+        f"auto attention {a['attention']['why']} (the demo's model, not compiled; each run "
+        "times its own shape, compiled when it compiles)",
         "matmul peak  " + ", ".join(
             f"{k} {'unknown' if v is None else f'{v:,.1f} GFLOP/s'}"
             for k, v in a["matmul_peak_gflops"].items()) + f" on {a['device']}",

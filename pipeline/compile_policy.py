@@ -29,12 +29,15 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from model import GPT, ModelConfig
+from pipeline.attention import eager_scores
+from pipeline.attention import resolve as resolve_attention
 from pipeline.config import TrainConfig
 from pipeline.distributed import DistInfo, broadcast_from_main
 from pipeline.hardware import cpu_capability, cpu_model, dtype_name, matmul_peak, memory_bandwidth
@@ -52,10 +55,11 @@ EAGER_VALUES_PER_LAYER_D, FUSED_VALUES_PER_LAYER_D = 130, 40
 # are written, masked, log-softmaxed (3 passes), exponentiated in place and cast: ~9; fused, the
 # matmul's output is read twice and the gradient written once: ~4 (ChunkedLoss / FusedLoss).
 EAGER_VALUES_HEAD_V, FUSED_VALUES_HEAD_V = 9, 4
-# Eager attention (train.attention = eager) also passes over each layer's T x S scores, n_head x S
-# values per token: eager, the in-place mask and the softmax read and write them (4) and the
-# softmax's backward reads two and writes one (3): ~7; fused, mask and softmax are one read and
-# write, their backward ~3: ~5. SDPA runs the same kernels compiled or not: no term.
+# Eager attention (train.attention = eager) also passes over each layer's scores, n_head x the
+# keys a query sees (causal: about half of S, pipeline.attention.eager_scores) per token: eager,
+# the in-place mask and the softmax read and write them (4) and the softmax's backward reads two
+# and writes one (3): ~7; fused, mask and softmax are one read and write, their backward ~3: ~5.
+# SDPA runs the same kernels compiled or not: no term.
 EAGER_VALUES_PER_SCORE, FUSED_VALUES_PER_SCORE = 7, 5
 VALUE_BYTES = 4  # elementwise work runs in fp32 also under bf16 autocast (norms, softmax)
 # The cold compile of the training graph the rule allows for until this machine has measured one
@@ -98,7 +102,8 @@ def step_model(model: GPT, seq_len: int, peak: float, bandwidth: float,
     `attention` (train.attention, resolved: sdpa or eager)."""
     cfg = model.cfg
     per_layer = cfg.n_layer * cfg.d_model
-    scores = cfg.n_layer * cfg.n_head * seq_len if attention == "eager" else 0
+    keys_per_query = eager_scores(seq_len, seq_len) / seq_len if attention == "eager" else 0
+    scores = cfg.n_layer * cfg.n_head * keys_per_query
     V = cfg.padded_vocab_size
 
     def elementwise_s(layer_values: float, score_values: float, head_values: float) -> float:
@@ -338,3 +343,19 @@ def meter(model: GPT, train_cfg: TrainConfig, seq_len: int, dtype: torch.dtype,
         return None
     return StepMeter(run_key(model.cfg, train_cfg, seq_len, dtype, info),
                      train_cfg.compile == "on", train_cfg.global_batch_tokens / info.world_size)
+
+
+def resolve_choices(model: GPT, t: TrainConfig, seq_len: int, dtype: torch.dtype,
+                    info: DistInfo, started: TrainConfig | None = None) -> TrainConfig:
+    """t with train.attention and train.compile resolved, a resumed run's (started) kept: the
+    attention timed as the run computes it (compiled or not), then the compile decision, which
+    weighs it. Both auto: the attention is timed eager for the decision and, compile on, again
+    compiled."""
+    known = t.compile if t.compile != "auto" else started and started.compile  # None: undecided
+    attend = partial(resolve_attention, t.attention, model.cfg, t.micro_batch_size, seq_len,
+                     dtype, info, started and started.attention)
+    t = replace(t, attention=attend(compiled=known == "on"))
+    on = decide(model, t, seq_len, dtype, info, started_with=started and started.compile)
+    if on and known is None:
+        t = replace(t, attention=attend(compiled=True))
+    return replace(t, compile="on" if on else "off")

@@ -78,9 +78,10 @@ class TrainConfig:
     the run logs why and keeps the choice on resume: see pipeline.compile_policy."""
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     """Attention kernel: sdpa (F.scaled_dot_product_attention: flash, O(T) memory) or eager
-    (matmul, softmax, matmul: saves each layer's T x T probabilities). auto = sdpa on CUDA; on
-    CPU both are timed at the run's shape and eager is taken if clearly faster and its memory
-    fits; the run logs why and keeps the choice on resume: see pipeline.attention."""
+    (matmul, softmax, matmul by blocks of queries, each only up to its causal edge: saves about
+    half of each layer's T x T probabilities). auto = sdpa on CUDA; on CPU both are timed at the
+    run's shape (compiled, when the run compiles) and eager is taken if clearly faster and its
+    memory fits; the run logs why and keeps the choice on resume: see pipeline.attention."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

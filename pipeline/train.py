@@ -168,15 +168,12 @@ class Trainer:
         self.sampler: GPT | None = None
 
     def _resolve_choices(self, started: JobConfig | None) -> None:
-        """train.attention's choice, then train.compile's (which weighs the attention), written
-        into the config (run dir, checkpoints): a resumed run keeps those it started with."""
-        t, seq_len, was = self.cfg.train, self.cfg.data.seq_len, started and started.train
-        t = replace(t, attention=attention.resolve(
-            t.attention, self.model_cfg, t.micro_batch_size, seq_len, self.precision.dtype,
-            self.info, started_with=was and was.attention))
-        on = compile_policy.decide(self.model, t, seq_len, self.precision.dtype, self.info,
-                                   started_with=was and was.compile)
-        self.length.settle(replace(self.cfg, train=replace(t, compile="on" if on else "off")))
+        """train.attention's and train.compile's choices (compile_policy.resolve_choices) into
+        the config (run dir, checkpoints): a resumed run keeps those it started with."""
+        t = compile_policy.resolve_choices(self.model, self.cfg.train, self.cfg.data.seq_len,
+                                           self.precision.dtype, self.info,
+                                           started and started.train)
+        self.length.settle(replace(self.cfg, train=t))
         self._rebind(self.length.cfg)
 
     def _rebind(self, cfg: JobConfig) -> None:

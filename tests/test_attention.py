@@ -54,8 +54,19 @@ def mask_kwargs(kind, T, S):
     return {}
 
 
+CASES += [(4, 2, 40, 40, "causal"), (4, 1, 20, 44, "causal"), (4, 2, 40, 20, "causal")]
+
+
+@pytest.fixture(params=["default", "small"])
+def query_block(request, monkeypatch):
+    """Causal eager attention by the shipped block size (above the cases' T: one block) and by
+    blocks of 12 queries (several, the last one short)."""
+    if request.param == "small":
+        monkeypatch.setattr(attention, "QUERY_BLOCK", 12)
+
+
 @pytest.mark.parametrize("H,G,T,S,kind", CASES)
-def test_eager_attention_equals_sdpa_in_fp32(H, G, T, S, kind):
+def test_eager_attention_equals_sdpa_in_fp32(H, G, T, S, kind, query_block):
     kw = mask_kwargs(kind, T, S) | {"enable_gqa": G != H}
     ref = run(F.scaled_dot_product_attention, heads(2, H, G, T, S, torch.float32), **kw)
     got = run(attention.eager_attention, heads(2, H, G, T, S, torch.float32), **kw)
@@ -64,7 +75,7 @@ def test_eager_attention_equals_sdpa_in_fp32(H, G, T, S, kind):
 
 
 @pytest.mark.parametrize("H,G,T,S,kind", CASES)
-def test_eager_attention_in_bf16_is_as_close_to_fp64_as_sdpa_is(H, G, T, S, kind):
+def test_eager_attention_in_bf16_is_as_close_to_fp64_as_sdpa_is(H, G, T, S, kind, query_block):
     """bf16 rounds the scores before the softmax (as HF's and nanoGPT's eager paths do): its
     error against a float64 reference stays within a few bf16 steps of SDPA's own."""
     kw = mask_kwargs(kind, T, S) | {"enable_gqa": G != H}
@@ -75,6 +86,22 @@ def test_eager_attention_in_bf16_is_as_close_to_fp64_as_sdpa_is(H, G, T, S, kind
         scale = x.abs().max().item()
         err_eager, err_sdpa = (e - x).abs().max().item(), (s - x).abs().max().item()
         assert err_eager <= max(2 * err_sdpa, 4 * 2**-8 * scale), (name, err_eager, err_sdpa, scale)
+
+
+def test_causal_eager_attention_skips_the_scores_right_of_each_query_block():
+    """No query of a block sees a key past the block: its scores are never computed. At T a
+    multiple of the block, that is (1 + QUERY_BLOCK / T) / 2 of the T x T scores (3/4 at 2
+    blocks), in each of the forward's two matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    B, H, K, T = 1, 2, 16, 2 * attention.QUERY_BLOCK
+    q, k, v = (torch.randn(B, H, T, K) for _ in range(3))
+    with FlopCounterMode(display=False) as flops:
+        attention.eager_attention(q, k, v, is_causal=True)
+    scores = attention.eager_scores(T, T)
+    assert scores == T * T * (1 + attention.QUERY_BLOCK / T) / 2
+    assert flops.get_total_flops() == 2 * (2 * B * H * K * scores)
+    assert attention.eager_scores(T, T, is_causal=False) == T * T
 
 
 def test_the_key_gradient_comes_in_the_keys_own_layout():
@@ -156,6 +183,43 @@ def test_auto_keeps_sdpa_where_eager_scores_would_dwarf_the_activations(monkeypa
 def test_auto_measures_both_kernels_on_this_cpu():
     seconds = attention.measure(CFG, 2, 64, torch.float32, CPU.device)
     assert set(seconds) == {"sdpa", "eager"} and all(0 < s < 5 for s in seconds.values())
+
+
+def test_compiled_runs_measure_compiled_kernels(monkeypatch):
+    compiled = []
+
+    def compile_(fn, **kw):
+        compiled.append(fn)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    attention.measure(CFG, 2, 64, torch.float32, CPU.device, compiled=True)
+    assert compiled == list(attention.KERNELS.values())
+    compiled.clear()
+    attention.measure(CFG, 2, 64, torch.float32, CPU.device)
+    assert compiled == []
+
+
+@pytest.mark.parametrize("compile_flag,decided,measured", [
+    ("off", None, [False]),
+    ("on", None, [True]),
+    ("auto", False, [False]),
+    ("auto", True, [False, True]),  # eager for compile's decision, then as the run computes
+])
+def test_auto_measures_the_attention_as_the_run_computes_it(
+        tiny_data, tmp_path, monkeypatch, compile_flag, decided, measured):
+    from pipeline import compile_policy
+
+    seen = []
+    monkeypatch.setattr(attention, "measure",
+                        lambda *a: seen.append(a[-1]) or {"sdpa": 2.0, "eager": 1.0})
+    if decided is not None:
+        monkeypatch.setattr(compile_policy, "decide", lambda *a, **kw: decided)
+    flags = ("--train.attention", "auto", "--train.compile", compile_flag)
+    trainer = Trainer(cfg_for(tiny_data, tmp_path / "run", *flags), CPU)
+    assert seen == measured
+    assert trainer.cfg.train.compile == ("on" if measured[-1] else "off")
+    assert trainer.cfg.train.attention == "eager"
 
 
 def test_a_run_records_its_choice_and_keeps_it_on_resume(tiny_data, tmp_path, monkeypatch):

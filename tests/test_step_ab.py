@@ -85,20 +85,20 @@ def test_log_softmax_body_is_the_shipped_softmax_body(dtype, want_grad):
     assert (got[1] is None) == (not want_grad)
 
 
-@pytest.mark.parametrize("mask", ["causal", "bias", "none"])
-def test_autograd_scores_are_the_shipped_scores(mask):
+def test_one_query_block_is_the_shipped_causal_attention(monkeypatch):
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 4, 16, 8, generator=g), torch.randn(2, 4, 24, 8, generator=g)
-    bias = torch.randn(16, 24, generator=g) if mask == "bias" else None
-    dS = torch.randn(2, 4, 16, 24, generator=g)
+    T = 2 * attention.QUERY_BLOCK + 3  # three blocks, the last one short
+    q, k, v = (torch.randn(1, 2, T, 8, generator=g) for _ in range(3))
+    dy = torch.randn(1, 2, T, 8, generator=g)
     out = []
-    for fn in (step_ab.scores_by_autograd, attention._scores):
-        q_, k_ = q.clone().requires_grad_(), k.clone().requires_grad_()
-        s = fn(q_, k_, bias, mask == "causal")
-        s.backward(dS.masked_fill(s.isinf(), 0))
-        out.append((s.detach(), q_.grad, k_.grad))
-    for a, b in zip(*out):  # dSᵀ @ q and (qᵀ @ dS)ᵀ: equal to fp32 rounding
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for blocks in (step_ab.one_query_block, attention.causal_blocks):
+        monkeypatch.setattr(attention, "causal_blocks", blocks)
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = attention.eager_attention(*qkv, is_causal=True)
+        y.backward(dy)
+        out.append([y.detach()] + [t.grad for t in qkv])
+    for a, b in zip(*out):  # the same sums, the masked keys' zeros left out
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_whole_add_is_the_shipped_blocked_add(monkeypatch):
