@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -127,7 +128,7 @@ def training_step(r: Run):
     x_BT, y_BT = torch.randint(0, r.vocab, (2, r.batch, r.seq_len), device=device)
     autocast = Precision(DTYPES[r.dtype], device).autocast(model)
 
-    def one_step() -> None:
+    def one_step() -> torch.Tensor:
         with autocast:
             loss = step(x_BT, y_BT)
         loss.backward()
@@ -136,8 +137,22 @@ def training_step(r: Run):
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        return loss.detach()
 
     return one_step
+
+
+def check_loss(r: Run, losses: list[float]) -> None:
+    """A step timed fast but computing something else must not pass as a figure: a cross-entropy
+    is finite and above 0 (a compiled kernel built for another ISA gave -0.0: bench/README.md).
+    The bound is loose on purpose: each implementation starts from its own init (the GPT-2
+    reference's default one starts at 5-20 ln V) and memorises the bench's fixed batch quickly."""
+    bad = [(i, loss) for i, loss in enumerate(losses) if not (math.isfinite(loss) and loss > 0)]
+    if bad:
+        i, loss = bad[0]
+        raise SystemExit(f"error: {name(r.impl, r.compiled)}: loss {loss:.4f} at step {i}, not a "
+                         f"cross-entropy (finite, above 0): this configuration computes something "
+                         f"else; check it before reading its speed")
 
 
 def worker(r: Run) -> dict:
@@ -145,12 +160,14 @@ def worker(r: Run) -> dict:
 
     one_step = training_step(r)
     base_mb = memory_mb(r.device, peak=False)
-    times, faults = [], []
+    times, faults, losses = [], [], []
     for _ in range(r.steps + 2):  # 2 warm-up steps: the compile, then the first compiled step
         f0, t0 = minor_faults(), time.perf_counter()
-        one_step()
+        loss = one_step()
         times.append(time.perf_counter() - t0)
         faults.append(minor_faults() - f0)
+        losses.append(loss)
+    check_loss(r, [loss.item() for loss in losses])
     peak_mb = memory_mb(r.device, peak=True)  # before the profiler's own allocations
     steady_s = statistics.median(times[2:])
     nan = float("nan")
@@ -164,9 +181,12 @@ def worker(r: Run) -> dict:
 
 def measure(r: Run, env=None) -> dict:
     cmd = [sys.executable, "-m", "bench.train_bench", "--worker", json.dumps(asdict(r))]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env,
-                         cwd=ROOT).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if res.returncode != 0:
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        raise SystemExit("\n".join(errors) or f"error: {name(r.impl, r.compiled)} exited "
+                         f"{res.returncode}:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def name(impl, comp):

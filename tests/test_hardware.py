@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from bench.common import ROOT
 from bench.runs import TINY_ARGS, metrics
 from launch import envinfo
 from pipeline import attention, hardware
@@ -129,6 +133,21 @@ def test_real_probe_agrees_with_the_cpu_flags():
     if not any(f in hardware.cpu_flags() for f in hardware._BF16_FLAGS):
         assert not probe.native  # e.g. this project's AVX2-only CI machine
     assert hardware.cpu_bf16() is probe  # cached per process
+
+
+def test_avx2_proxy_runs_as_the_avx2_kind(tmp_path):
+    """bench/avx2_proxy.sh: ATen in AVX2, bf16 emulated (so auto = fp32), inductor's own cache."""
+    code = ("import os, torch; from pipeline import hardware; "
+            "print(torch.backends.cpu.get_cpu_capability(), hardware.cpu_bf16().native, "
+            "os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
+                                                           hardware.FORCE_ENV)}
+    out = subprocess.run(["bash", str(ROOT / "bench" / "avx2_proxy.sh"), sys.executable, "-c",
+                          code], env={**env, "TMPDIR": str(tmp_path)}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    capability, native, cache = out.split()
+    assert (capability, native) == ("AVX2", "False")
+    assert cache.startswith(str(tmp_path / "torchinductor_avx2_"))
 
 
 def test_cuda_auto_is_bf16_where_supported(monkeypatch, lines):

@@ -81,7 +81,10 @@ def test_log_softmax_body_is_the_shipped_softmax_body(dtype, want_grad):
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)  # -log p vs log_softmax
     if want_grad:
         assert got[1].dtype == ref[1].dtype == dtype
-        torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
+        # Two fp32 gradients a rounding apart can round to neighbouring bf16 values (seen with
+        # ATen's AVX2 exp): one bf16 ulp is 2**-7 of the value.
+        rtol = 1e-6 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(got[1], ref[1], rtol=rtol, atol=1e-7)
     assert (got[1] is None) == (not want_grad)
 
 

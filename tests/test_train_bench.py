@@ -4,6 +4,7 @@ dtype the bench says (bf16 autocast when auto picks bf16, as on a native-bf16 CP
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -46,6 +47,25 @@ def test_every_implementation_computes_in_the_bench_dtype(impl, dtype):
     assert want in spy.seen, (impl, dtype, spy.seen)
     if dtype == "fp32":
         assert spy.seen == {torch.float32}, spy.seen
+
+
+def test_a_step_that_computes_something_else_is_refused(monkeypatch):
+    """Every implementation's real losses pass check_loss; a worker whose step returns a loss no
+    cross-entropy has (-0.0, as from an inductor kernel built for another ISA) exits with one
+    error line, which the bench prints instead of its figures."""
+    tb = load_bench()
+    r = tb.Run("lmforge", 256, False, "cpu", "fp32", steps=4, batch=2, profile=False, **tb.SMOKE)
+    for impl in ("lmforge", "gpt2", "hf"):
+        step = tb.training_step(tb.replace(r, impl=impl))
+        tb.check_loss(tb.replace(r, impl=impl), [step().item() for _ in range(8)])
+    monkeypatch.setattr(tb, "training_step", lambda r: lambda: torch.tensor(-0.0))
+    with pytest.raises(SystemExit, match=r"^error: lmforge eager: loss -0.0000 at step 0, not a "
+                                         r"cross-entropy"):
+        tb.worker(r)
+    failed = subprocess.CompletedProcess([], 1, "", "error: hf compiled: loss nan at step 3\n")
+    monkeypatch.setattr(tb.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(SystemExit, match=r"^error: hf compiled: loss nan at step 3$"):
+        tb.measure(r)
 
 
 @pytest.mark.slow
