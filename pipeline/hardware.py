@@ -341,15 +341,14 @@ def peak_note(device: torch.device, dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------- CPU allocator
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's default; fixed, it stops malloc raising it
-KEPT_MMAP_THRESHOLD = 32 * 2**20  # the largest glibc takes (64-bit)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
 # "release" (FSDP2): every freed block of MMAP_THRESHOLD or more goes back to the OS at once.
-# "keep" (a whole replica per process): blocks under KEPT_MMAP_THRESHOLD come from the heap, which
-# is never trimmed (-1), so a step's buffers come back without page faults, as a GPU's caching
-# allocator hands them back. Larger blocks (a loss chunk's logits, the head's fp32 gradient) are
-# still mmapped: kept in the heap too, their holes grew the fp32 peak by a third.
+# "keep" (a whole replica per process): every block comes from the heap (no mmap: glibc's
+# threshold stops at 32 MiB, and a step's fp32 logits or head gradient are larger), which is never
+# trimmed (-1), so a step's buffers come back without page faults, as a GPU's caching allocator
+# hands them back. bench/results/ has the faults, step times and peaks.
 ALLOCATOR_MODES = {"release": ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD),),
-                   "keep": ((_M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, -1))}
+                   "keep": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
 _USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_",
                     "MALLOC_TOP_PAD_")
 
@@ -384,10 +383,9 @@ def keep_freed_blocks_after_first_step(optimizer: torch.optim.Optimizer) -> None
     def keep(*_):
         handle.remove()
         if set_cpu_allocator("keep"):
-            get_logger().info("CPU: glibc malloc keeps freed blocks under %d MiB for reuse from "
-                              "now on: a step's buffers cost no page faults, and the RSS stays at "
-                              "its peak (set MALLOC_MMAP_THRESHOLD_ to choose another)",
-                              KEPT_MMAP_THRESHOLD >> 20)
+            get_logger().info("CPU: glibc malloc keeps freed blocks for reuse from now on: a "
+                              "step's buffers cost no page faults, and the RSS stays at its peak "
+                              "(set MALLOC_MMAP_MAX_ to choose another)")
 
     handle = optimizer.register_step_post_hook(keep)
 

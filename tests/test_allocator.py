@@ -16,7 +16,7 @@ from bench.common import ROOT
 SIZE = 2**24  # 16 MiB: glibc's default mmaps a block of the size it just freed again
 PAGES = SIZE // 4096
 
-SCRIPT = f"""
+SCRIPT = """
 import ctypes, resource, sys, torch
 from pipeline.config import OptimConfig
 from pipeline.hardware import set_cpu_allocator
@@ -25,13 +25,15 @@ from pipeline.optim import build_optimizer
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 
+SIZE = int(sys.argv[2])
+
 def faults_of_one_buffer():
     # malloc itself, not torch.empty: torch's aligned blocks can be kept from merging back by
     # its own small allocations beside them, a few rounds' noise that training steps outgrow
     # (bench/results/ has the RSS of long runs); the policy is malloc's.
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    p = libc.malloc({SIZE})
-    ctypes.memset(p, 1, {SIZE})
+    p = libc.malloc(SIZE)
+    ctypes.memset(p, 1, SIZE)
     libc.free(ctypes.c_void_p(p))
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
@@ -53,11 +55,12 @@ print(applied, faults_of_one_buffer())
 """
 
 
-def second_buffer_faults(how: str, **env: str) -> tuple[str, int]:
-    """(what the case printed first, the page faults of allocating and filling a 16 MiB buffer
-    once one has been freed)."""
-    out = subprocess.run([sys.executable, "-c", SCRIPT, how], cwd=ROOT, check=True, timeout=120,
-                         capture_output=True, text=True, env={**os.environ, **env}).stdout
+def second_buffer_faults(how: str, size: int = SIZE, **env: str) -> tuple[str, int]:
+    """(what the case printed first, the page faults of allocating and filling a buffer of
+    `size` bytes once one has been freed)."""
+    out = subprocess.run([sys.executable, "-c", SCRIPT, how, str(size)], cwd=ROOT, check=True,
+                         timeout=120, capture_output=True, text=True,
+                         env={**os.environ, **env}).stdout
     applied, faults = out.split()[-2:]
     return applied, int(faults)
 
@@ -68,10 +71,11 @@ def test_glibc_default_faults_every_large_buffer_in_again():
     assert second_buffer_faults("default")[1] >= 0.9 * PAGES
 
 
-def test_keep_reuses_freed_blocks_without_page_faults():
-    applied, faults = second_buffer_faults("keep")
+@pytest.mark.parametrize("size", [SIZE, 3 * SIZE])  # 48 MiB: past glibc's largest threshold
+def test_keep_reuses_freed_blocks_without_page_faults(size):
+    applied, faults = second_buffer_faults("keep", size)
     assert applied == "True"
-    assert faults < 0.05 * PAGES
+    assert faults < 0.05 * size // 4096
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
