@@ -344,9 +344,9 @@ MMAP_THRESHOLD = 128 * 1024  # glibc's default; fixed, it stops malloc raising i
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
 # "release" (FSDP2): every freed block of MMAP_THRESHOLD or more goes back to the OS at once.
 # "keep" (a whole replica per process): every block comes from the heap (no mmap: glibc's
-# threshold stops at 32 MiB, and a step's fp32 logits or head gradient are larger), which is never
-# trimmed (-1), so a step's buffers come back without page faults, as a GPU's caching allocator
-# hands them back. bench/results/ has the faults, step times and peaks.
+# threshold stops at 32 MiB, which a step's fp32 loss chunk or head gradient reaches), and the
+# heap is never trimmed (-1), so a step's buffers come back without page faults, as a GPU's
+# caching allocator hands them back. bench/results/ has the faults, step times and peaks.
 ALLOCATOR_MODES = {"release": ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD),),
                    "keep": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
 _USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_",
