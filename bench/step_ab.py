@@ -7,6 +7,7 @@ timing.
 
     python -m bench.step_ab rope --shape B --compile      # model.model.apply_rope
     python -m bench.step_ab loss --shape A --compile      # pipeline.loss._fused_body
+    python -m bench.step_ab columns --shape A --compile   # pipeline.loss.column_dtype
     python -m bench.step_ab logits --shape A --dtype fp32 # pipeline.loss._eager_body (CPU)
     python -m bench.step_ab softmax --shape A             # pipeline.loss._eager_from_logits
     python -m bench.step_ab accumulate --shape A          # pipeline.loss._add_by_blocks (bf16)
@@ -54,6 +55,25 @@ def fused_body_computed_columns(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad)
     for the padding mask and the target's one-hot) instead of reading them."""
     cols_V = torch.arange(w_VD.shape[0], device=h_CD.device, dtype=torch.int32)
     return _fused_by_columns(h_CD, w_VD, safe_C.to(torch.int32), cols_V, vocab_size, want_grad)
+
+
+@torch.library.custom_op("lmforge_bench::int32_columns", mutates_args=())
+def int32_columns(safe_C: torch.Tensor, n_columns: int) -> list[torch.Tensor]:
+    """lmforge::chunk_columns before: targets and columns as int32 at every vocabulary."""
+    return [safe_C.to(torch.int32, copy=True),
+            torch.arange(n_columns, dtype=torch.int32, device=safe_C.device)]
+
+
+@int32_columns.register_fake
+def _(safe_C, n_columns):
+    return [torch.empty_like(safe_C, dtype=torch.int32),
+            safe_C.new_empty(n_columns, dtype=torch.int32)]
+
+
+def fused_body_int32_columns(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
+    """FusedLoss's chunk body before: the padding mask and the one-hot compared in int32."""
+    safe_C, cols_V = int32_columns(safe_C, w_VD.shape[0])
+    return _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad)
 
 
 def eager_body_onednn(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
@@ -116,6 +136,7 @@ def no_graph_passes() -> dict:
 # name: (module, attribute, the function it replaced)
 SWAPS = {"rope": ("model.model", "apply_rope", rope_by_roll),
          "loss": ("pipeline.loss", "_fused_body", fused_body_computed_columns),
+         "columns": ("pipeline.loss", "_fused_body", fused_body_int32_columns),
          "logits": ("pipeline.loss", "_eager_body", eager_body_onednn),
          "softmax": ("pipeline.loss", "_eager_from_logits", eager_from_logits_log_softmax),
          "accumulate": ("pipeline.loss", "_add_by_blocks", add_whole),

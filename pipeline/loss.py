@@ -107,22 +107,33 @@ def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
     return loss_N.index_put((rows,), exact_R)
 
 
+# Column indices are compared as fp32 where fp32 holds them exactly (every index up to 2^24):
+# inductor's CPU kernels turn an int32 comparison into a float mask lane by lane on AVX2, which
+# made the fused chunk 2-3x slower there than the same compare of floats
+# (bench/results/step_ab_avx2.txt); beyond 2^24 columns only int32 is exact.
+EXACT_FLOAT_INDEX = 2**24
+
+
+def column_dtype(n_columns: int) -> torch.dtype:
+    return torch.float32 if n_columns <= EXACT_FLOAT_INDEX else torch.int32
+
+
 @torch.library.custom_op("lmforge::chunk_columns", mutates_args=())
-def _chunk_columns(safe_C: torch.Tensor, n_columns: int) -> list[torch.Tensor]:
-    """A chunk's targets and the head's column indices, int32 (an int64 compare takes twice the
-    vectors). An op of our own, so that inductor cannot fold the columns back into its loop
-    over the logits: there an index vector built per vector of logits cost a third of the
-    chunk's time, where reading one costs a load (bench/step_ab.py loss). One call per chunk
-    (its targets): inductor fuses kernels that read one buffer into one, every chunk's logits
-    alive at once."""
-    cols_V = torch.arange(n_columns, dtype=torch.int32, device=safe_C.device)
-    return [safe_C.to(torch.int32, copy=True), cols_V]  # (an op's outputs never alias its inputs)
+def _chunk_columns(safe_C: torch.Tensor, n_columns: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A chunk's targets and the head's column indices, in `dtype` (column_dtype's). An op of
+    our own, so that inductor cannot fold the columns back into its loop over the logits: there
+    an index vector built per vector of logits cost a third of the chunk's time, where reading
+    one costs a load (bench/step_ab.py loss). One call per chunk (its targets): inductor fuses
+    kernels that read one buffer into one, every chunk's logits alive at once. The dtype is an
+    argument, not derived inside, so that it is written in the traced graph: inductor's cache
+    keys compiled graphs on their code, not on what a custom op's fake returns."""
+    cols_V = torch.arange(n_columns, dtype=dtype, device=safe_C.device)
+    return [safe_C.to(dtype, copy=True), cols_V]  # (an op's outputs never alias its inputs)
 
 
 @_chunk_columns.register_fake
-def _(safe_C, n_columns):
-    return [torch.empty_like(safe_C, dtype=torch.int32),
-            safe_C.new_empty(n_columns, dtype=torch.int32)]
+def _(safe_C, n_columns, dtype):
+    return [torch.empty_like(safe_C, dtype=dtype), safe_C.new_empty(n_columns, dtype=dtype)]
 
 
 def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
@@ -141,7 +152,8 @@ def _fused_body(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     fp32 (_grad_over_logits) it is a second exp of the logits instead, which lets inductor write
     it over the logits: one C x V fp32 buffer per chunk, not two, for a second read of the chunk
     (the log-sum-exp it shares with the loss splits the loop into passes)."""
-    safe_C, cols_V = _chunk_columns(safe_C, w_VD.shape[0])
+    n_columns = w_VD.shape[0]
+    safe_C, cols_V = _chunk_columns(safe_C, n_columns, column_dtype(n_columns))
     return _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad)
 
 

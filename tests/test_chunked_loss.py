@@ -362,3 +362,17 @@ def test_ddp_and_fsdp_two_ranks_eager_and_compiled_equal_plain_path_and_bf16_los
 
 if __name__ == "__main__":
     dist_worker(sys.argv[1])
+
+
+@pytest.mark.parametrize("n_columns", [loss_module.EXACT_FLOAT_INDEX,
+                                       loss_module.EXACT_FLOAT_INDEX + 1])
+def test_chunk_columns_hold_every_index_exactly(n_columns):
+    """The fused loss compares columns and targets in column_dtype: fp32 while it holds every
+    index (2^24 + 1 would round to 2^24 in fp32), int32 beyond."""
+    targets_C = torch.tensor([0, n_columns - 2, n_columns - 1])
+    dtype = loss_module.column_dtype(n_columns)
+    assert dtype == (torch.float32 if n_columns <= 2**24 else torch.int32)
+    safe_C, cols_V = torch.ops.lmforge.chunk_columns(targets_C, n_columns, dtype)
+    assert torch.equal(cols_V.long(), torch.arange(n_columns))
+    assert torch.equal(safe_C.long(), targets_C) and torch.equal(cols_V[safe_C.long()], safe_C)
+

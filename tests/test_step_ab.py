@@ -29,13 +29,15 @@ def test_rope_by_roll_is_the_shipped_rotation(dtype):
 
 @pytest.mark.parametrize("vocab_size", [1000, 1024])  # with padded columns and without
 @pytest.mark.parametrize("want_grad", [True, False])
-def test_computed_columns_body_is_the_shipped_loss_body(vocab_size, want_grad):
+@pytest.mark.parametrize("before", [step_ab.fused_body_computed_columns,
+                                    step_ab.fused_body_int32_columns])
+def test_earlier_column_bodies_are_the_shipped_loss_body(vocab_size, want_grad, before):
     torch.manual_seed(0)
     h_CD, w_VD = torch.randn(24, 16), torch.randn(1024, 16)
     safe_C = torch.randint(0, vocab_size, (24,))
-    ref = step_ab.fused_body_computed_columns(h_CD, w_VD, safe_C, vocab_size, None, want_grad)
+    ref = before(h_CD, w_VD, safe_C, vocab_size, None, want_grad)
     got = _fused_body(h_CD, w_VD, safe_C, vocab_size, None, want_grad)
-    for a, b in zip(got[0], ref[0]):  # columns read or computed: the same numbers
+    for a, b in zip(got[0], ref[0]):  # columns read or computed, fp32 or int32: the same numbers
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     if want_grad:
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
