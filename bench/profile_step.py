@@ -5,6 +5,7 @@ a fault per 4 KiB page the next time they are allocated).
 
     python -m bench.profile_step lmforge --shape A            # eager
     python -m bench.profile_step hf --shape A --compile
+    python -m bench.profile_step lmforge --shape A --compile --kernels   # each fused kernel
 """
 
 from __future__ import annotations
@@ -26,16 +27,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--smoke", action="store_true", help="train_bench's tiny shapes: the code path")
+    p.add_argument("--kernels", action="store_true", help="with --compile: time each kernel "
+                   "inductor writes (its kernel profile) instead of one call per compiled graph, "
+                   "whose self time is then its Python wrapper's alone")
     a = p.parse_args()
 
     import torch
 
+    if a.kernels:
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True
+
     from pipeline.hardware import auto_dtype, dtype_name
 
-    vocab = tb.SHAPES[a.shape]
+    shapes, dims = (tb.SMOKE_SHAPES, tb.SMOKE) if a.smoke else (tb.SHAPES, tb.FULL)
+    vocab = shapes[a.shape]
     device = torch.device("cpu")
     dtype = dtype_name(auto_dtype(device)[0]) if a.dtype == "auto" else a.dtype
-    run = tb.Run(a.impl, vocab, a.compile, str(device), dtype, **tb.FULL)
+    run = tb.Run(a.impl, vocab, a.compile, str(device), dtype, **dims)
     one_step = tb.training_step(run)
     for _ in range(2):
         one_step()

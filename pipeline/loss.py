@@ -108,9 +108,9 @@ def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
 
 
 # Column indices are compared as fp32 where fp32 holds them exactly (every index up to 2^24):
-# inductor's CPU kernels turn an int32 comparison into a float mask lane by lane on AVX2, which
-# made the fused chunk 2-3x slower there than the same compare of floats
-# (bench/results/step_ab_avx2.txt); beyond 2^24 columns only int32 is exact.
+# the fp32 compare yields the float mask the blends over the logits take, where inductor's
+# AVX2 kernel comparing int32 ran the fused chunk 3x slower (bench/results/step_ab_avx2.txt).
+# Beyond 2^24 columns only int32 is exact.
 EXACT_FLOAT_INDEX = 2**24
 
 

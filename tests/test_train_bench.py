@@ -99,6 +99,14 @@ def test_profile_step_runs_the_bench_step():
     assert "self CPU time per step by category" in res.stdout and "matmul" in res.stdout
 
 
+def test_profile_step_names_each_compiled_kernel():
+    res = run([sys.executable, "-m", "bench.profile_step", "lmforge", "--smoke", "--shape", "B",
+               "--compile", "--kernels", "--steps", "1", "--top", "100"], timeout=300, retries=0)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "lmforge compiled shape B (V 256, " in res.stdout
+    assert "cpp_fused" in res.stdout  # inductor's kernels by name, not one call per graph
+
+
 def test_non_matmul_time_is_the_step_less_its_profiled_matmuls():
     """bench.profile_ops.paired_matmul_ms: a step of one matmul and a 50 ms wait splits into
     the matmul's own milliseconds and the rest, the wait."""
