@@ -57,22 +57,9 @@ def fused_body_computed_columns(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad)
     return _fused_by_columns(h_CD, w_VD, safe_C.to(torch.int32), cols_V, vocab_size, want_grad)
 
 
-@torch.library.custom_op("lmforge_bench::int32_columns", mutates_args=())
-def int32_columns(safe_C: torch.Tensor, n_columns: int) -> list[torch.Tensor]:
-    """lmforge::chunk_columns before: targets and columns as int32 at every vocabulary."""
-    return [safe_C.to(torch.int32, copy=True),
-            torch.arange(n_columns, dtype=torch.int32, device=safe_C.device)]
-
-
-@int32_columns.register_fake
-def _(safe_C, n_columns):
-    return [torch.empty_like(safe_C, dtype=torch.int32),
-            safe_C.new_empty(n_columns, dtype=torch.int32)]
-
-
 def fused_body_int32_columns(h_CD, w_VD, safe_C, vocab_size, bufs, want_grad):
     """FusedLoss's chunk body before: the padding mask and the one-hot compared in int32."""
-    safe_C, cols_V = int32_columns(safe_C, w_VD.shape[0])
+    safe_C, cols_V = torch.ops.lmforge.chunk_columns(safe_C, w_VD.shape[0], torch.int32)
     return _fused_by_columns(h_CD, w_VD, safe_C, cols_V, vocab_size, want_grad)
 
 

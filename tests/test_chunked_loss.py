@@ -360,10 +360,6 @@ def test_ddp_and_fsdp_two_ranks_eager_and_compiled_equal_plain_path_and_bf16_los
     assert got["fsdp_bf16"]["mean_err"] < BF16_MEAN_TOL, got
 
 
-if __name__ == "__main__":
-    dist_worker(sys.argv[1])
-
-
 @pytest.mark.parametrize("n_columns", [loss_module.EXACT_FLOAT_INDEX,
                                        loss_module.EXACT_FLOAT_INDEX + 1])
 def test_chunk_columns_hold_every_index_exactly(n_columns):
@@ -376,3 +372,6 @@ def test_chunk_columns_hold_every_index_exactly(n_columns):
     assert torch.equal(cols_V.long(), torch.arange(n_columns))
     assert torch.equal(safe_C.long(), targets_C) and torch.equal(cols_V[safe_C.long()], safe_C)
 
+
+if __name__ == "__main__":
+    dist_worker(sys.argv[1])
