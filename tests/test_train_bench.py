@@ -125,3 +125,28 @@ def test_non_matmul_time_is_the_step_less_its_profiled_matmuls():
     mm_ms, other_ms = paired_matmul_ms(one_step, 5, "cpu")
     assert 0 < mm_ms < 25, mm_ms
     assert 45 < other_ms < 200, other_ms
+
+
+def test_one_lucky_round_decides_no_target():
+    """The targets pair each round's runs: a peer's one fast round (GPT-2 compiled's 891 among
+    644 and 706, as at 5b956e1 on the AVX2 kind) lowers one round's ratio and not the verdict,
+    which a best-of ratio (890 / 891) would have MISSED; a peer faster in most rounds still
+    fails it."""
+    tb = load_bench()
+
+    def runs(*tok_s):
+        return [dict(tok_s=t, steady_s=4096 / t, matmul_ms=1e3, non_matmul_ms=300.0) for t in tok_s]
+
+    res = {("lmforge", False): runs(698, 672, 732), ("lmforge", True): runs(837, 747, 890),
+           ("gpt2", True): runs(644, 563, 891), ("hf", False): runs(542, 532, 543)}
+    tok_s = {k: tb.best_of(v) for k, v in res.items()}
+    mem = {k: 900.0 if k[0] == "lmforge" else 2000.0 for k in res}
+    lines = tb.summary("A", tok_s, mem, res, {k: None for k in res}, native=False)
+    assert tok_s["lmforge", True] / tok_s["gpt2", True] < 1.05  # the best-of ratio would miss
+    assert lines[0] == "A: lmforge's best is lmforge compiled, 837 tok/s (median round)"
+    assert lines[1] == ("  A: lmforge compiled / each round's fastest peer (gpt2 compiled by "
+                        "median) = 1.30x (rounds 1.30 / 1.33 / 1.00) (target >= 1.05x) ok")
+    assert "compiled / eager = 1.20x (rounds 1.20 / 1.11 / 1.22) (target -) ok" in lines[2]
+    res["gpt2", True] = runs(891, 800, 600)
+    lines = tb.summary("A", tok_s, mem, res, {k: None for k in res}, native=False)
+    assert lines[1].endswith("(target >= 1.05x) MISSED"), lines[1]
