@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,18 +36,41 @@ def gpt2_tiktoken() -> Path:
     return GPT2_TIKTOKEN
 
 
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    """A small slice of the built-in corpus with a 512-id trained BPE (the demo's path, smaller)."""
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory `build` fills once per pytest session: under xdist, the first worker to ask
+    builds it and the others wait on a lock, then read it (CI's two workers each trained the
+    layout runs, a minute of two cores). What reads it never writes into it (copies where a test
+    resumes)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    root = tmp_path_factory.getbasetemp().parent  # one per session, shared by its workers
+    path, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # a worker that failed half-way
+            path.mkdir()
+            build(path)
+            done.touch()
+    return path
+
+
+def _prepare_tiny(root: Path) -> None:
     from launch.prepare import main as prepare
 
-    out = tmp_path_factory.mktemp("data") / "pystdlib"
     rc = prepare([
-        "--source", "builtin:pystdlib", "--tokenizer", "bpe:512", "--out", str(out),
+        "--source", "builtin:pystdlib", "--tokenizer", "bpe:512", "--out", str(root / "pystdlib"),
         "--max-docs", "120", "--val-docs", "12", "--workers", "1",
     ])
     assert rc == 0
-    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A small slice of the built-in corpus with a 512-id trained BPE (the demo's path, smaller)."""
+    return built_once(tmp_path_factory, "data", _prepare_tiny) / "pystdlib"
 
 
 # The layouts a parity test compares: the same 1024-token global batch as 1 process x 4
@@ -68,12 +94,12 @@ def layout_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     resume and resharding tests, trained once for all of them."""
     from bench.runs import train
 
-    root = tmp_path_factory.mktemp("layouts")
-    out = {}
-    for parallel in ("none", "ddp", "fsdp"):
-        out[parallel] = root / parallel
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LMFORGE_TRACE_GRAD_SYNC", str(root / f"{parallel}.trace"))
-            train(layout_args(tiny_data, out[parallel], "--train.parallel", parallel),
-                  nproc=1 if parallel == "none" else 2)
-    return out
+    def build(root: Path) -> None:
+        for parallel in ("none", "ddp", "fsdp"):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("LMFORGE_TRACE_GRAD_SYNC", str(root / f"{parallel}.trace"))
+                train(layout_args(tiny_data, root / parallel, "--train.parallel", parallel),
+                      nproc=1 if parallel == "none" else 2)
+
+    root = built_once(tmp_path_factory, "layouts", build)
+    return {parallel: root / parallel for parallel in ("none", "ddp", "fsdp")}
