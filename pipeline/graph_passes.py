@@ -7,12 +7,20 @@ V x D buffer of zeros of its own: a pass writing V x D zeros, a pass reading bot
 a third (at GPT-2's vocabulary, 51 MB each in fp32) for a scatter of B x T rows. Rewritten, the
 rows are scattered into the head's gradient itself: one pass over V x D, and one V x D buffer
 fewer at the end of backward (bench/results/step_ab_zen4.txt).
+
+The pass's `uuid` is also the cache salt of what the pipeline compiles: inductor's FX graph
+cache keys a compiled graph on its traced code, where one of our custom ops is only a name, so
+after a change to an op's body (or to what its fake returns) the cache served the graph built
+for the old one (stop 38: int32 kernels reading fp32 columns). The uuid hashes the files that
+define our ops and this pass: any edit to them compiles afresh.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 aten = torch.ops.aten
 SCATTER_ADD = aten._unsafe_masked_index_put_accumulate.default  # (into, mask, indices, rows)
@@ -57,9 +65,16 @@ class TiedGradInPlace(CustomGraphPass):
                     break
 
     def uuid(self) -> str:  # (inductor's FX graph cache keys compiled graphs on it)
-        return "lmforge.TiedGradInPlace.1"
+        return get_hash_for_files(tuple(map(str, COMPILED_SOURCES))).hex()
+
+
+# Every file that defines an op or pass of ours which a compiled graph can contain
+# (tests/test_graph_passes.py checks that no custom op lives elsewhere).
+COMPILED_SOURCES = tuple(Path(__file__).resolve().with_name(f) for f in
+                         ("graph_passes.py", "loss.py", "attention.py"))
 
 
 def compile_options() -> dict:
-    """inductor options for every torch.compile of the model (pipeline.parallelize)."""
+    """inductor options for every torch.compile of what trains (pipeline.parallelize, and the
+    loss compiled on its own: pipeline.loss.select_loss)."""
     return {"post_grad_custom_pre_pass": TiedGradInPlace()}

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.graph_passes import compile_options
+
 HeadLoss = Callable[..., torch.Tensor]
 
 # Logits elements per chunk. Eager, a chunk holds two fp32 C x V buffers (logits and
@@ -361,4 +363,4 @@ def select_loss(compiled: bool, compiled_with_model: bool, chunk: int | None = N
         return ChunkedLoss(chunk)
     if compiled_with_model:
         return FusedLoss(chunk)
-    return torch.compile(FusedLoss(chunk), dynamic=False)
+    return torch.compile(FusedLoss(chunk), dynamic=False, options=compile_options())

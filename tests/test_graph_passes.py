@@ -3,6 +3,8 @@ what they leave alone, and that the compiled step's numbers stay eager's)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -112,3 +114,14 @@ def test_an_untied_embeddings_gradient_stays_its_own():
     (eager, compiled), scatters = _compiled_grads(False)
     assert len(scatters) == 1 and scatters[0].args[0].target is aten.full.default
     _assert_same_grads(compiled, eager)
+
+
+def test_every_op_of_ours_a_graph_can_hold_salts_the_compile_cache():
+    """TiedGradInPlace.uuid hashes COMPILED_SOURCES, which inductor's FX graph cache keys on. A
+    custom op or pass defined in a file outside them could change its body while the cache kept
+    serving the graph compiled for the old one."""
+    root = Path(gp.__file__).resolve().parents[1]
+    defining = {p for pkg in ("pipeline", "model") for p in (root / pkg).rglob("*.py")
+                if "torch.library" in p.read_text() or "CustomGraphPass" in p.read_text()}
+    assert defining == set(gp.COMPILED_SOURCES)
+    assert len(gp.TiedGradInPlace().uuid()) == 64  # a sha256 of their contents
