@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from pipeline import checkpoint as ckpt
 from pipeline.distributed import DistInfo
 from pipeline.metrics import get_logger
+from pipeline.safe_dcp import SINGLE_PROCESS_WARNING
 
 log = get_logger()
 
@@ -79,9 +80,9 @@ class Checkpointer:
         self.group = (dist.new_group(backend="gloo")
                       if background and info.is_distributed else None)
         if background and not info.is_distributed:
-            # The background write warns that it runs in one process (checkpoint's
-            # _single_process_ok cannot reach into its thread); for us that is intended.
-            warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+            # The background write warns that it runs in one process (single_process_ok
+            # cannot reach into its thread); for us that is intended.
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
 
     def save(self, run_dir: Path, model: nn.Module, optimizer, meta: ckpt.CheckpointMeta,
              tokenizer_dir: Path, keep: int) -> Path:

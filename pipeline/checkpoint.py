@@ -26,13 +26,11 @@ no file of a checkpoint is ever copied through a symbolic link.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
 import time
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,21 +51,13 @@ from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_
 from pipeline.distributed import DistInfo, barrier
 from pipeline.metrics import get_logger
 from pipeline.run_dir import RunDir
-from pipeline.safe_dcp import CheckpointError, load_into, load_strict, refusal
+from pipeline.safe_dcp import CheckpointError, load_into, load_strict, refusal, single_process_ok
 
 FORMAT = "lmforge-checkpoint"
 VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 log = get_logger()
-
-
-@contextlib.contextmanager
-def _single_process_ok():
-    """DCP warns on every single-process save/load, which for us is a normal, intended case."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
-        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -281,7 +271,7 @@ def save_training(
     (pipeline/async_checkpoint.py runs the same three phases with the write in the background.)"""
     tmp, final = begin_save(run_dir, meta.step, info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _single_process_ok():
+    with single_process_ok():
         dcp.save(
             {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not info.is_distributed
         )
@@ -363,7 +353,7 @@ def load_training(
     checkpoint accepted by `read_resumable`."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    with _single_process_ok():
+    with single_process_ok():
         load_into(state, ckpt_dir, no_dist=not info.is_distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -438,7 +428,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
         state = load_file(str(weights))
     else:
         box = {"model": dict(model.state_dict())}
-        with _single_process_ok():
+        with single_process_ok():
             load_into(box, ckpt, no_dist=True)
         state = box["model"]
     load_strict(model, state, meta.model.tie_embeddings, ckpt)

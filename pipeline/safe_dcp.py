@@ -15,9 +15,11 @@ make us read outside its directory. DCP trusts its files in three places, each c
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +37,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from pipeline.errors import CheckpointError
+
+# DCP warns on every save and load in one process (no_dist), which for us is a normal, intended
+# case: a one-process run, or a sharded checkpoint read whole.
+SINGLE_PROCESS_WARNING = "torch.distributed is .*single process"
+
+
+@contextlib.contextmanager
+def single_process_ok():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        yield
+
 
 STORAGE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 # The only non-tensor entries lmforge writes: each optimizer param group's settings (lr, betas,
