@@ -298,7 +298,7 @@ def pct(mfu: float | None) -> str:
     return f"{mfu:6.1%}" if mfu is not None else f"{'n/a':>6}"
 
 
-def summary(s: str, tok_s: dict, peak_mb: dict, res: dict, mfu: dict, native: bool) -> list[str]:
+def summary(s: str, peak_mb: dict, res: dict, mfu: dict, native: bool) -> list[str]:
     """lmforge's best setting at one shape against the issue's targets (bf16-native CPU or GPU:
     `native`; else an fp32 CPU's no-regression targets), one line each, ok or MISSED."""
     def typical(k):
@@ -365,7 +365,7 @@ def table(shapes: dict[str, int], impls, res: dict, base: Run, peak: float | Non
                   f"{statistics.median(r['matmul_ms'] for r in runs):6.0f} "
                   f"{statistics.median(r['non_matmul_ms'] for r in runs):6.0f} "
                   f"{statistics.median(r['first_step_s'] for r in runs):7.1f}s")
-        lines += summary(s, tok_s, mem, here, mfu, native=dtype == torch.bfloat16)
+        lines += summary(s, mem, here, mfu, native=dtype == torch.bfloat16)
     return lines
 
 

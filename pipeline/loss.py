@@ -111,7 +111,7 @@ def _exact_where_underflowed(loss_N, h_ND, w_VD, safe_N, vocab_size):
 
 # Column indices are compared as fp32 where fp32 holds them exactly (every index up to 2^24):
 # the fp32 compare yields the float mask the blends over the logits take, where inductor's
-# AVX2 kernel comparing int32 ran the fused chunk 3x slower (bench/results/step_ab_avx2.txt).
+# AVX2 kernel comparing int32 ran the fused chunk slower (bench/results/step_ab_avx2.txt).
 # Beyond 2^24 columns only int32 is exact.
 EXACT_FLOAT_INDEX = 2**24
 

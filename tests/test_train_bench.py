@@ -141,12 +141,12 @@ def test_one_lucky_round_decides_no_target():
            ("gpt2", True): runs(644, 563, 891), ("hf", False): runs(542, 532, 543)}
     tok_s = {k: tb.best_of(v) for k, v in res.items()}
     mem = {k: 900.0 if k[0] == "lmforge" else 2000.0 for k in res}
-    lines = tb.summary("A", tok_s, mem, res, {k: None for k in res}, native=False)
+    lines = tb.summary("A", mem, res, {k: None for k in res}, native=False)
     assert tok_s["lmforge", True] / tok_s["gpt2", True] < 1.05  # the best-of ratio would miss
     assert lines[0] == "A: lmforge's best is lmforge compiled, 837 tok/s (median round)"
     assert lines[1] == ("  A: lmforge compiled / each round's fastest peer (gpt2 compiled by "
                         "median) = 1.30x (rounds 1.30 / 1.33 / 1.00) (target >= 1.05x) ok")
     assert "compiled / eager = 1.20x (rounds 1.20 / 1.11 / 1.22) (target -) ok" in lines[2]
     res["gpt2", True] = runs(891, 800, 600)
-    lines = tb.summary("A", tok_s, mem, res, {k: None for k in res}, native=False)
+    lines = tb.summary("A", mem, res, {k: None for k in res}, native=False)
     assert lines[1].endswith("(target >= 1.05x) MISSED"), lines[1]
