@@ -38,10 +38,13 @@ def merge(dirs: list[Path], out: Path) -> Manifest:
     save_state(out, identity, [])
     copy_plain_tree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
     m0 = parts[0]
-    stats = {k: sum(m.stats.get(k, 0) for m in parts) for k in m0.stats if k != "val_threshold"}
+    # Counts add up over the parts; what every part shares (the val threshold, the fingerprint
+    # of the files all of them read) is the first part's.
+    shared = ("val_threshold", "source_files")
+    stats = {k: sum(m.stats.get(k, 0) for m in parts) for k in m0.stats if k not in shared}
     merged = Manifest(version=FORMAT_VERSION, vocab_size=m0.vocab_size, eot_id=m0.eot_id,
                       tokenizer=m0.tokenizer, source=m0.source, args=identity,
-                      stats=stats | {"val_threshold": m0.stats.get("val_threshold")},
+                      stats=stats | {k: m0.stats.get(k) for k in shared},
                       dtype=m0.dtype, shards=link_shards(parts, out), data_dir=out)
     merged.save(out)
     return merged

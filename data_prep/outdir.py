@@ -22,8 +22,10 @@ from data_prep.shards import (
     ShardError,
     ShardInfo,
     atomic_write_bytes,
+    check_dir_path,
     check_shard,
     load_manifest,
+    shard_infos_from_json,
     shard_name,
     write_doc_index,
     write_shard,
@@ -79,11 +81,17 @@ class ShardWriter:
 # the output directory: fresh, resumable, finished, or someone else's
 
 
-def _read_json(path: Path) -> dict:
+def _read_state(path: Path) -> dict:
+    """A prepare's resume state, its shapes checked (shard names confined to the directory)."""
+    fix = f"delete {path.parent} and prepare again"
     try:
-        return json.loads(path.read_text())
+        d = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {path} ({e}); delete {path.parent} and prepare again") from None
+        raise DataError(f"cannot read {path} ({e}); {fix}") from None
+    if not isinstance(d, dict) or not isinstance(d.get("args"), dict):
+        raise DataError(f"{path} is not a prepare's resume state; {fix}")
+    d["shards"] = shard_infos_from_json(d.get("shards"), path, fix)
+    return d
 
 
 def _check_args(out: Path, recorded: dict, identity: dict) -> None:
@@ -94,9 +102,12 @@ def _check_args(out: Path, recorded: dict, identity: dict) -> None:
                         "use a new --out directory or delete it")
 
 
-def resume_state(out: Path, identity: dict) -> tuple[bool, list[ShardInfo]]:
-    """(finished?, finished shards to keep). DataError for a foreign directory or other args.
+def resume_state(out: Path, identity: dict,
+                 source_files: str | None = None) -> tuple[bool, list[ShardInfo]]:
+    """(finished?, finished shards to keep). DataError for a foreign directory, other args, or
+    (resuming) source files changed since (`source_files`: Source.fingerprint, None = unknown).
     Shards whose checksum fails are deleted with every later shard of their split."""
+    check_dir_path(out, "--out")
     if not out.exists() or not any(out.iterdir()):
         return False, []
     manifest, state = out / MANIFEST_NAME, out / STATE_NAME
@@ -105,15 +116,23 @@ def resume_state(out: Path, identity: dict) -> tuple[bool, list[ShardInfo]]:
         _check_args(out, m.args, identity)
         for info in m.shards:  # cheap header check; --verify does the checksums
             check_shard(out / info.file, info, m.vocab_size, checksum=False)
+        if None not in (source_files, m.stats.get("source_files")) and \
+                m.stats["source_files"] != source_files:
+            print(f"note: the files of --source changed since {out} was prepared; its shards hold "
+                  "the old text (delete it, or use a new --out, to prepare the new)", file=sys.stderr)
         return True, m.shards
     if not state.is_file():
         raise DataError(f"output directory {out} is not empty and not an lmforge prepare output; "
                         "choose an empty or new --out directory")
-    d = _read_json(state)
-    _check_args(out, d.get("args"), identity)
+    d = _read_state(state)
+    _check_args(out, d["args"], identity)
+    if None not in (source_files, d.get("source_files")) and d["source_files"] != source_files:
+        raise DataError(f"the files of --source changed (names, sizes or times) since the prepare "
+                        f"into {out} stopped, so its finished shards hold other text; restore the "
+                        "files, or delete it (or use a new --out) to prepare afresh")
     vocab = read_tokenizer_meta(out / TOKENIZER_DIR)["n_vocab"] if d["shards"] else 0
     keep, broken = [], set()
-    for info in (ShardInfo(**s) for s in d["shards"]):
+    for info in d["shards"]:
         if info.split not in broken:
             try:
                 check_shard(out / info.file, info, vocab)
@@ -131,24 +150,27 @@ def sort_shards(infos: list[ShardInfo]) -> list[ShardInfo]:
     return sorted(infos, key=lambda s: (SPLITS.index(s.split), s.file))
 
 
-def save_state(out: Path, identity: dict, done: list[ShardInfo]) -> None:
-    text = json.dumps({"args": identity, "shards": [asdict(s) for s in sort_shards(done)]}, indent=1)
+def save_state(out: Path, identity: dict, done: list[ShardInfo],
+               source_files: str | None = None) -> None:
+    text = json.dumps({"args": identity, "source_files": source_files,
+                       "shards": [asdict(s) for s in sort_shards(done)]}, indent=1)
     atomic_write_bytes(out / STATE_NAME, [text.encode()])
 
 
 class Ledger:
     """The finished shards of this output directory, saved to STATE_NAME each time one is added:
-    what a resume keeps."""
+    what a resume keeps (and the fingerprint of the files they were read from)."""
 
-    def __init__(self, out: Path, identity: dict, done: list[ShardInfo]):
+    def __init__(self, out: Path, identity: dict, done: list[ShardInfo], source_files: str | None):
         self.out, self.identity, self.done = out, identity, list(done)
+        self.source_files = source_files
 
     def record(self, info: ShardInfo) -> None:
         self.done.append(info)
         self.save()
 
     def save(self) -> None:
-        save_state(self.out, self.identity, self.done)
+        save_state(self.out, self.identity, self.done, self.source_files)
 
     def count(self, split: str) -> tuple[int, int]:
         """(shards, documents) of `split` already finished."""

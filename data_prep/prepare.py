@@ -94,6 +94,10 @@ class PrepareConfig:
 
     def validate(self) -> None:
         """Every range and combination, before anything is read or written."""
+        for name in ("source", "tokenizer", "text_field"):
+            if not getattr(self, name).strip():  # Path("") is the working directory
+                raise DataError(f"--{name.replace('_', '-')} is empty; give a value (see "
+                                "lmforge prepare --help)")
         _need(1 <= self.shard_tokens <= MAX_SHARD_TOKENS, "shard_tokens", self.shard_tokens,
               f"in [1, {MAX_SHARD_TOKENS}]")
         if self.val_docs is not None and self.val_fraction is not None:
@@ -206,7 +210,12 @@ def setup_tokenizer(cfg: PrepareConfig, out: Path, threshold: int) -> tuple[tikt
         return load_tokenizer_dir(tok_dir), meta["kind"], meta["name"]
     n = bpe_size(cfg.tokenizer)
     if n is not None:
-        return train_bpe(bpe_sample(cfg, threshold), n, f"bpe{n}"), "bpe", f"bpe{n}"
+        enc = train_bpe(bpe_sample(cfg, threshold), n)
+        if enc.n_vocab < n:  # rustbpe stops when no pair of tokens occurs twice
+            print(f"note: {cfg.tokenizer} trained {enc.n_vocab:,} ids, not {n:,}: its sample "
+                  f"({cfg.bpe_sample_chars:,} characters at most) has no more pairs to merge; "
+                  "more text gives more ids", file=sys.stderr)
+        return enc, "bpe", enc.name
     spec = cfg.tokenizer
     enc = load_tokenizer(spec)
     return enc, "tiktoken" if spec in NAMED else "dir" if Path(spec).is_dir() else "file", enc.name
@@ -231,7 +240,8 @@ def bpe_sample(cfg: PrepareConfig, threshold: int) -> Iterator[str]:
 def prepare(cfg: PrepareConfig) -> Manifest:
     cfg.validate()
     out, identity = Path(cfg.out), cfg.identity()
-    finished, done = resume_state(out, identity)
+    source_files = _source(cfg).fingerprint()
+    finished, done = resume_state(out, identity, source_files)
     if finished:
         print(f"{out} is already prepared with these arguments; nothing to do", file=sys.stderr)
         return load_manifest(out)
@@ -245,7 +255,7 @@ def prepare(cfg: PrepareConfig) -> Manifest:
         raise DataError(f"vocabulary of {enc.n_vocab} tokens does not fit --dtype {cfg.dtype}; "
                         "use --dtype uint32 or auto")
     out.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(out, identity, done)
+    ledger = Ledger(out, identity, done, source_files)
     ledger.save()  # first, so a crash from here on leaves a resumable dir
     tok_meta = save_tokenizer_dir(enc, out / TOKENIZER_DIR, kind, name)
     stats = run_pipeline(cfg, _source(cfg), enc, dtype, threshold, ledger)
@@ -323,7 +333,8 @@ def run_pipeline(cfg: PrepareConfig, source: Source, enc: tiktoken.Encoding, dty
     for w in writers.values():
         w.flush()
     bar.close()
-    return counts | {"replaced_chars": source.replaced, "val_threshold": threshold}
+    return counts | {"replaced_chars": source.replaced, "val_threshold": threshold,
+                     "source_files": ledger.source_files}
 
 
 class ProgressBar:

@@ -89,6 +89,16 @@ def _fix_hint(path: Path) -> str:
             "with the same arguments to rebuild it")
 
 
+def check_dir_path(path: Path, flag: str) -> None:
+    """DataError unless `path` is, or can be made, a directory: neither it nor a parent a file."""
+    for at in (path, *path.parents):
+        if at.exists():
+            if not at.is_dir():
+                raise DataError(f"{flag} {path}: {at} is a file, not a directory; give a "
+                                "directory path")
+            return
+
+
 def atomic_write_bytes(path: Path, chunks, sha=None, per_process: bool = False) -> None:
     """Write `chunks` (bytes-likes) to `path` via a temp name + rename, so a crash never leaves a
     half-written file under the final name. Feeds each chunk to `sha` if given. `per_process`:
@@ -280,9 +290,46 @@ class Manifest:
         atomic_write_bytes(Path(data_dir) / MANIFEST_NAME, [text.encode()])
 
 
-def manifest_from_json(d: dict[str, Any], where: Path) -> Manifest:
-    """Build a Manifest from its JSON dict, checking version and fields (ShardError if bad)."""
+# The JSON type of each manifest field, checked on read: a hand-edited or damaged manifest is
+# named as such, never a TypeError deep in whatever reads the field first.
+_MANIFEST_TYPES = {"version": int, "vocab_size": int, "eot_id": int, "tokenizer": dict,
+                   "source": str, "args": dict, "shards": list, "stats": dict, "dtype": str}
+_SHARD_TYPES = {"file": str, "split": str, "tokens": int, "documents": int, "sha256": str}
+_TOKENIZER_KEYS = ("kind", "name", "sha256")  # optional: a synthetic dataset has none
+
+
+def _typed(d: dict, types: dict[str, type]) -> list[str]:
+    """The keys of `d` whose value is not of its JSON type (a bool is no int here)."""
+    return [k for k, tp in types.items() if k in d and (
+        not isinstance(d[k], tp) or (tp is int and isinstance(d[k], bool)))]
+
+
+def shard_infos_from_json(items: Any, where: Path, fix: str) -> list[ShardInfo]:
+    """The shard list of a manifest or of a prepare's resume state, validated: each entry has the
+    fields of ShardInfo with their types, a known split, counts >= 0, and names a file of the
+    dataset directory itself (a path such as "../x" or "/etc/x" would read or delete outside it)."""
+    if not isinstance(items, list) or not all(isinstance(s, dict) for s in items):
+        raise ShardError(f"{where}: its shard list is not a list of objects; {fix}")
+    for s in items:
+        if s.keys() != _SHARD_TYPES.keys() or _typed(s, _SHARD_TYPES):
+            raise ShardError(f"{where}: shard entry {s!r} does not have the fields "
+                             f"{list(_SHARD_TYPES)} with their types; {fix}")
+    infos = [ShardInfo(**s) for s in items]
+    if bad := [s.file for s in infos if s.split not in SPLITS]:
+        raise ShardError(f"{where} lists shards of unknown split: {bad}; {fix}")
+    if bad := [s.file for s in infos if s.tokens < 0 or s.documents < 0]:
+        raise ShardError(f"{where} gives negative counts for shards {bad[:2]}; {fix}")
+    if bad := [s.file for s in infos if Path(s.file).name != s.file or s.file in ("", ".", "..")]:
+        raise ShardError(f"{where} names shards outside its directory: {bad[:2]}; {fix}")
+    return infos
+
+
+def manifest_from_json(d: Any, where: Path) -> Manifest:
+    """Build a Manifest from its JSON dict, checking version, fields and their types
+    (ShardError if bad)."""
     fix = f"re-run `lmforge prepare` into {where.parent}"
+    if not isinstance(d, dict):
+        raise ShardError(f"{where} is not a JSON object; {fix}")
     if d.get("version") != FORMAT_VERSION:
         raise ShardError(f"{where} has format version {d.get('version')!r}, this lmforge reads "
                          f"{FORMAT_VERSION}; {fix}")
@@ -290,19 +337,20 @@ def manifest_from_json(d: dict[str, Any], where: Path) -> Manifest:
     required = names - {"stats", "dtype"}
     if missing := sorted(required - d.keys()):
         raise ShardError(f"{where} lacks fields {missing}; {fix}")
+    if bad := _typed(d, _MANIFEST_TYPES):
+        raise ShardError(f"{where} is malformed: {', '.join(bad)} not of type "
+                         f"{', '.join(_MANIFEST_TYPES[k].__name__ for k in bad)}; {fix}")
+    if bad := [k for k in _TOKENIZER_KEYS if not isinstance(d["tokenizer"].get(k, ""), str)]:
+        raise ShardError(f"{where}: its tokenizer's {bad} are not text; {fix}")
+    if not 0 <= d["eot_id"] < d["vocab_size"] or d.get("dtype", "uint16") not in ("uint16", "uint32"):
+        raise ShardError(f"{where} is malformed (eot_id {d['eot_id']}, vocab_size "
+                         f"{d['vocab_size']}, dtype {d.get('dtype')!r}); {fix}")
+    kwargs = {k: d[k] for k in names if k in d}
+    kwargs["shards"] = shard_infos_from_json(d["shards"], where, fix)
     try:
-        kwargs = {k: d[k] for k in names if k in d}
-        kwargs["shards"] = [ShardInfo(**s) for s in d["shards"]]
-        m = Manifest(**kwargs)
-    except (TypeError, DataError) as e:
+        return Manifest(**kwargs)
+    except DataError as e:  # a vocabulary too large for any token dtype
         raise ShardError(f"{where} is malformed ({e}); {fix}") from None
-    if bad := [s.file for s in m.shards if s.split not in SPLITS]:
-        raise ShardError(f"{where} lists shards of unknown split: {bad}; {fix}")
-    # A shard is a file of this directory: a path ("../x", "/etc/x") would read outside it.
-    if bad := [s.file for s in m.shards if not isinstance(s.file, str) or Path(s.file).name != s.file
-               or s.file in ("", ".", "..")]:
-        raise ShardError(f"{where} names shards outside its directory: {bad[:2]}; {fix}")
-    return m
 
 
 def load_manifest(data_dir: Path | str) -> Manifest:

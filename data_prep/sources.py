@@ -21,11 +21,13 @@ import bz2
 import functools
 import glob
 import gzip
+import hashlib
 import io
 import json
 import lzma
 import os
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,9 @@ TEXT_EXTS = (".txt", ".jsonl", ".json")
 RECORD_EXTS = (".jsonl", ".json")
 TABLE_EXTS = (".parquet", ".arrow")
 COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+# What reading a damaged file raises: gzip.BadGzipFile and bz2's "Invalid data stream" are
+# OSErrors, a truncated archive EOFError, a bad deflate block zlib.error.
+UNREADABLE = (OSError, EOFError, lzma.LZMAError, zlib.error)
 
 
 @dataclass
@@ -47,13 +52,30 @@ class Source:
     total_docs: int | None = None  # known up front for file-per-document sources
 
     def __iter__(self) -> Iterator[str]:
+        files = self._spec_files()
+        return self._hf() if files is None else self._files(files)
+
+    def _spec_files(self) -> list[Path] | None:
+        """The files the spec names, in reading order; None for a hf: dataset."""
         if self.spec == "builtin:pystdlib":
-            return self._files(pystdlib_files())
+            return list(pystdlib_files())
         if self.spec.startswith("builtin:"):
             raise DataError(f"unknown builtin corpus {self.spec!r}; the only one is builtin:pystdlib")
         if self.spec.startswith("hf:"):
-            return self._hf()
-        return self._files(local_files(self.spec))
+            return None
+        return local_files(self.spec)
+
+    def fingerprint(self) -> str | None:
+        """A digest of the names, sizes and modification times of the files read (None for a
+        hf: dataset): a resumed prepare checks that it reads the files it started on."""
+        files = self._spec_files()
+        if files is None:
+            return None
+        sha = hashlib.sha256()
+        for f in files:
+            st = f.stat()
+            sha.update(f"{f}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+        return sha.hexdigest()
 
     def _decode(self, raw: bytes) -> str:
         try:
@@ -75,20 +97,29 @@ class Source:
             yield from self._table(path)
             return
         opener = COMPRESSED.get(path.suffix, open)
-        with opener(path, "rb") as f:
-            if kind in RECORD_EXTS:
-                yield from self._json(path, f)
-            elif not self.lines:  # .txt, or .py for builtin:pystdlib
-                yield self._decode(f.read())
-            else:
-                for raw in f:
-                    if raw.strip():
-                        yield self._decode(raw.rstrip(b"\r\n"))
+        try:
+            with opener(path, "rb") as f:
+                if kind in RECORD_EXTS:
+                    yield from self._json(path, f)
+                elif not self.lines:  # .txt, or .py for builtin:pystdlib
+                    yield self._decode(f.read())
+                else:
+                    for raw in f:
+                        if raw.strip():
+                            yield self._decode(raw.rstrip(b"\r\n"))
+        except UNREADABLE as e:  # a corrupt or truncated archive surfaces on the read, not the open
+            raise DataError(f"cannot read {path} ({type(e).__name__}: {e}); the file is corrupt "
+                            "or truncated: replace it or leave it out of --source") from None
 
     def _json(self, path: Path, f: io.BufferedIOBase) -> Iterator[str]:
         first = f.peek(64).lstrip()[:1] if hasattr(f, "peek") else b""
         if first == b"[":  # one JSON array: no way to stream it with the stdlib
-            for i, rec in enumerate(json.loads(self._decode(f.read()))):
+            try:
+                records = json.loads(self._decode(f.read()))
+            except ValueError as e:
+                raise DataError(f"{path} is not valid JSON ({e}); fix the file, or write one "
+                                "record per line (.jsonl)") from None
+            for i, rec in enumerate(records):
                 yield self._field(rec, path, i + 1)
             return
         for i, raw in enumerate(f):
@@ -120,16 +151,17 @@ class Source:
                 pf = pq.ParquetFile(path)
                 names, batches = pf.schema_arrow.names, pf.iter_batches(batch_size=1024)
             else:
-                reader = _open_arrow(path, pa)
-                names, batches = reader.schema.names, iter(reader)
+                names, batches = _arrow_batches(path, pa)
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"cannot read {path} ({e}); check the file is {path.suffix}") from None
         if self.text_field not in names:
             raise DataError(f"{path} has no column {self.text_field!r} (it has {names}); "
                             "pass --text-field NAME")
+        n = 0  # records are numbered through the file, not per batch
         for batch in batches:
-            for i, text in enumerate(batch.column(self.text_field).to_pylist()):
-                yield self._field({self.text_field: text}, path, i + 1)
+            for text in batch.column(self.text_field).to_pylist():
+                n += 1
+                yield self._field({self.text_field: text}, path, n)
 
     def _hf(self) -> Iterator[str]:
         import datasets
@@ -145,12 +177,16 @@ class Source:
             yield self._field(rec, self.spec, i + 1)
 
 
-def _open_arrow(path: Path, pa):
-    """Arrow IPC file or stream (datasets' save_to_disk writes streams)."""
+def _arrow_batches(path: Path, pa) -> tuple[list[str], Iterator]:
+    """(column names, record batches) of an Arrow IPC file or stream (datasets' save_to_disk
+    writes streams). A file's reader is read by index, a stream's by iterating it."""
     try:
-        return pa.ipc.open_file(path)
+        reader = pa.ipc.open_file(path)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     except pa.ArrowInvalid:
-        return pa.ipc.open_stream(path)
+        reader = pa.ipc.open_stream(path)
+        batches = iter(reader)
+    return reader.schema.names, batches
 
 
 def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:

@@ -23,7 +23,7 @@ import numpy as np
 import tiktoken
 
 from data_prep.errors import DataError
-from data_prep.shards import atomic_write_bytes, file_sha256, symlinks_in
+from data_prep.shards import atomic_write_bytes, file_sha256, load_manifest, symlinks_in
 
 EOT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
@@ -91,7 +91,21 @@ def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
                             "tiktoken base64-ranks file") from None
     if not ranks:
         raise DataError(f"{path} holds no tokens; give a non-empty .tiktoken file")
+    # Checked here because tiktoken's Rust core panics (an exception `except Exception` misses)
+    # on a rank given twice, and on encoding a byte that has no token of its own.
+    if len(set(ranks.values())) != len(ranks):
+        raise DataError(f"{path} gives two tokens the same rank; give each token its own rank")
+    if missing := [b for b in range(256) if bytes([b]) not in ranks]:
+        raise DataError(f"{path} lacks {len(missing)} of the 256 single-byte tokens (byte "
+                        f"{missing[0]:#04x} first), so some text cannot be encoded; a byte-level "
+                        "BPE vocabulary has all of them")
     return ranks
+
+
+def next_id(ranks: dict[bytes, int]) -> int:
+    """The first id after every rank: `<|endoftext|>`'s when nothing says otherwise (len(ranks)
+    would collide with a rank where the ranks leave a gap)."""
+    return max(ranks.values()) + 1
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -104,13 +118,16 @@ def _read_bytes(path: Path) -> bytes:
 def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
     ranks = _parse_ranks(_read_bytes(path), path)
     name, pattern, special = KNOWN_VOCABS.get(
-        len(ranks), (path.stem, CL100K_PATTERN, {EOT: len(ranks)}))
+        len(ranks), (path.stem, CL100K_PATTERN, {EOT: next_id(ranks)}))
     sidecar = path.with_name(path.name + ".json")
     if sidecar.is_file():
         try:
             over = json.loads(sidecar.read_text())
         except ValueError as e:
             raise DataError(f"cannot parse {sidecar} ({e}); fix or delete it") from None
+        if not isinstance(over, dict):
+            raise DataError(f"{sidecar} is not a JSON object; write {{\"name\": ..., "
+                            "\"pattern\": ..., \"special_tokens\": {...}} or delete it")
         name = over.get("name", name)
         pattern = over.get("pattern", pattern)
         special = over.get("special_tokens", special)
@@ -119,9 +136,13 @@ def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
 
 def _encoding(name: str, pattern: str, ranks: dict[bytes, int],
               special: dict[str, int]) -> tiktoken.Encoding:
-    if EOT not in special:
+    if not isinstance(special, dict) or EOT not in special:
         raise DataError(f"tokenizer {name!r} has no {EOT} special token; add it to the "
                         "special_tokens of its sidecar/tokenizer.json")
+    ids = set(ranks.values())
+    if clash := sorted(str(t) for t, i in special.items() if isinstance(i, int) and i in ids):
+        raise DataError(f"tokenizer {name!r}: special token {clash[0]} has the id of a "
+                        "mergeable token; give special tokens ids past the ranks")
     try:
         return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
                                  special_tokens=special)
@@ -229,9 +250,22 @@ def load_tokenizer_dir(directory: Path | str) -> tiktoken.Encoding:
     return enc
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, name: str) -> tiktoken.Encoding:
+def dataset_tokenizer(data_dir: Path | str) -> tiktoken.Encoding:
+    """DIR/tokenizer of a prepared dataset, checked to be the vocabulary its manifest names: one
+    copied over it would decode, and bound the model's ids, by another vocabulary."""
+    tok_dir = Path(data_dir) / "tokenizer"
+    recorded, found = load_manifest(data_dir).tokenizer.get("sha256"), read_tokenizer_meta(tok_dir)["sha256"]
+    if recorded not in (None, found):
+        raise DataError(f"{tok_dir} is not the tokenizer {data_dir} was prepared with (sha256 "
+                        f"{found[:12]}, its manifest says {recorded[:12]}); copy the dataset "
+                        "again, or prepare it again")
+    return load_tokenizer_dir(tok_dir)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, name: str | None = None) -> tiktoken.Encoding:
     """Train a byte-level BPE with `vocab_size` ids in all: vocab_size - 1 mergeable ranks (256
-    bytes + merges, GPT-4 split pattern) then `<|endoftext|>` = vocab_size - 1.
+    bytes + merges, GPT-4 split pattern) then `<|endoftext|>` = vocab_size - 1; fewer when the
+    texts run out of pairs to merge. Named `name`, by default bpeN for its N ids.
 
     rustbpe (nanochat's trainer) rather than HF tokenizers: it exports tiktoken mergeable ranks
     directly, so the tiktoken encoding reproduces training exactly, and it trains faster on the
@@ -243,7 +277,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, name: str) -> tiktoken.Enco
     tok = rustbpe.Tokenizer()
     tok.train_from_iterator(iter(texts), vocab_size - 1, pattern=CL100K_PATTERN)
     ranks = {bytes(b): r for b, r in tok.get_mergeable_ranks()}
-    return _encoding(name, CL100K_PATTERN, ranks, {EOT: len(ranks)})
+    return _encoding(name or f"bpe{next_id(ranks) + 1}", CL100K_PATTERN, ranks, {EOT: next_id(ranks)})
 
 
 def bpe_size(spec: str) -> int | None:

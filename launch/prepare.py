@@ -8,6 +8,7 @@ checks the ranges before anything is read or written.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 from pathlib import Path
@@ -16,7 +17,7 @@ from data_prep.errors import DataError
 from data_prep.merge import merge
 from data_prep.prepare import PrepareConfig, prepare
 from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
-from data_prep.tokenizer import load_tokenizer_dir
+from data_prep.tokenizer import dataset_tokenizer
 from launch.cli import ArgumentParser
 from pipeline.data_config import DataConfig
 from pipeline.typed_config import add_flags, from_flags, number
@@ -63,8 +64,8 @@ def summary(m: Manifest) -> str:
     tok = m.tokenizer
     lines = [f"dataset {m.data_dir}  (format v{m.version}, {m.dtype})",
              f"source    {m.source}",
-             f"tokenizer {tok['name']} ({tok['kind']}), vocab {m.vocab_size:,}, eot {m.eot_id}, "
-             f"sha256 {tok['sha256'][:12]}"]
+             f"tokenizer {tok.get('name', '?')} ({tok.get('kind', '?')}), vocab {m.vocab_size:,}, "
+             f"eot {m.eot_id}, sha256 {tok.get('sha256', '?')[:12]}"]
     for sp, t in m.totals().items():
         lines.append(f"{sp:<9} {t['tokens']:>14,} tokens {t['documents']:>10,} docs "
                      f"{t['shards']:>4} shards")
@@ -107,7 +108,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     path = rng.choice(paths)
     tokens = open_shard(path)
     start = rng.randrange(max(1, len(tokens) - args.tokens))
-    enc = load_tokenizer_dir(m.data_dir / "tokenizer")
+    enc = dataset_tokenizer(m.data_dir)
     span = [int(t) for t in tokens[start:start + args.tokens]]
     print(f"--- {path.name} tokens [{start}, {start + len(span)}) ---")
     print(enc.decode(span, errors="replace"))
@@ -133,13 +134,20 @@ def show_rows(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": rows}))
         return 0
-    enc = load_tokenizer_dir(Path(d.first_path) / "tokenizer")
+    enc = dataset_tokenizer(d.first_path)
     eot = load_manifest(d.first_path).eot_id
     for i, row in enumerate(rows):
-        start = "continues a document" if row["continues"] else "starts at a document start"
-        print(f"--- row {i} from {row['source']}: {len(row['ids'])} tokens, {start} ---")
-        docs = " ".join(str(j) for j, t in enumerate(row["ids"]) if t == eot)
-        print(f"(document starts, EOT at positions: {docs or 'none'})")
-        print(enc.decode(row["ids"], errors="replace").replace(
-            enc.decode([eot]), "\n<|doc|>"))
+        ids = row["ids"]
+        # A row that opens with EOT starts a document; the loader knows a continuation only
+        # where rows are cut at documents (align = doc), so any other row is mid-document.
+        start = ("starts at a document start" if ids[:1] == [eot] else
+                 "continues a document" if row["continues"] else "starts mid-document")
+        print(f"--- row {i} from {row['source']}: {len(ids)} tokens, {start} ---")
+        eots = [j for j, t in enumerate(ids) if t == eot]
+        print(f"(document starts, EOT at positions: {' '.join(map(str, eots)) or 'none'})")
+        # Decoded piece by piece between the EOT tokens themselves: a document's own text
+        # "<|endoftext|>" (encoded as ordinary tokens) is not a boundary.
+        cuts = [0, *eots, len(ids)]
+        pieces = [ids[a + (a in eots):b] for a, b in itertools.pairwise(cuts)]
+        print("\n<|doc|>".join(enc.decode(piece, errors="replace") for piece in pieces))
     return 0

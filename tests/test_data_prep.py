@@ -243,7 +243,7 @@ def test_parts_merge_to_whole(tmp_path):
 
 
 @needs_gpt2
-@pytest.mark.parametrize("kind", ["parquet", "arrow", "hf", "lines", "jsonl.gz", "json"])
+@pytest.mark.parametrize("kind", ["parquet", "arrow", "arrow-file", "hf", "lines", "jsonl.gz", "json"])
 def test_sources(tmp_path, kind):
     import gzip
 
@@ -256,10 +256,11 @@ def test_sources(tmp_path, kind):
     if kind == "parquet":
         src = tmp_path / "d/c.parquet"
         pq.write_table(table, src, row_group_size=7)
-    elif kind == "arrow":
+    elif kind.startswith("arrow"):  # IPC stream (datasets' save_to_disk) or IPC file
         src = tmp_path / "d/c.arrow"
-        with pa.ipc.new_stream(src, table.schema) as w:
-            w.write_table(table)
+        with (pa.ipc.new_file if kind == "arrow-file" else pa.ipc.new_stream)(src, table.schema) as w:
+            for i in range(0, len(texts), 7):  # several record batches
+                w.write_table(table.slice(i, 7))
     elif kind == "hf":
         write_jsonl(tmp_path / "d/train.jsonl", texts)
         src = f"hf:{tmp_path / 'd'}@train"
