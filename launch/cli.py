@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
 
 SUBCOMMANDS = {
     "prepare": ("launch.prepare", "main", "tokenize a corpus into shards"),
@@ -32,9 +34,31 @@ SUBCOMMANDS = {
 }
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's store, refusing a second value for one flag: plain argparse keeps the last and
+    drops the others without a word (`--source a --source b` prepared b alone)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.dest in parser.given:
+            parser.error(f"{'/'.join(self.option_strings)} is given twice; give it once")
+        parser.given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes (a missing flag, a bad number or choice) are one `error:` line and
-    exit status 2 through `run_user_command`, like every other user error, not a usage block."""
+    """argparse whose mistakes (a missing flag, a bad number or choice, a flag given twice) are
+    one `error:` line and exit status 2 through `run_user_command`, like every other user error,
+    not a usage block."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.given: set[str] = set()
+        for name in (None, "store"):
+            self.register("action", name, _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = set()
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         from pipeline.typed_config import ConfigError
@@ -57,17 +81,34 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+ERROR_DIR = "LMFORGE_ERROR_DIR"  # set by `lmforge train --nproc N` for the ranks it starts
+
+
+def report_error(line: str) -> None:
+    """A user error's one line: on stderr, or, in a rank that `lmforge train --nproc N` started,
+    into the launcher's error directory (the launcher prints it once, for every rank)."""
+    if ERROR_DIR in os.environ and "RANK" in os.environ:
+        Path(os.environ[ERROR_DIR], f"rank{int(os.environ['RANK']):05d}").write_text(line)
+    else:
+        print(line, file=sys.stderr)
+
+
 def run_user_command(fn, argv: list[str]) -> int:
     """Call a subcommand's main, turning user errors into one line on stderr and exit code 2."""
     errors = user_errors()
     try:
-        return int(fn(argv) or 0)
+        rc = int(fn(argv) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return rc
     except errors as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(f"error: {e}")
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`lmforge inspect DIR | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141  # what a shell reports for a command killed by SIGPIPE
 
 
 def main(argv: list[str] | None = None) -> int:
