@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 
 from data_prep.errors import DataError
-from data_prep.shards import SPLITS, load_manifest
+from data_prep.shards import SPLITS, check_dir_path, load_manifest
 from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_byte_lengths
 from launch.cli import ArgumentParser
 from pipeline import attention
-from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.distributed import DistInfo, distributed
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
 from pipeline.hardware import dtype_name
+from pipeline.inference import LoadedCheckpoint, load_for_inference
 from pipeline.parallelize import Precision
 from pipeline.typed_config import number
 from pipeline.windows import TokenWindows
@@ -132,6 +132,10 @@ def report(result: EvalResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.json:  # before the evaluation, not after it
+        check_dir_path(args.json.parent, "--json")
+        if args.json.is_dir():
+            raise ConfigError(f"--json {args.json} is a directory; give a file path")
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
         result, seq_len, dtype = evaluate_checkpoint(

@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from data_prep.shards import copy_plain_tree
+from data_prep.shards import check_dir_path, copy_plain_tree
 from data_prep.tokenizer import EOT, VOCAB_FILE, eot_id, load_tokenizer_dir, read_tokenizer_meta
 from launch.cli import ArgumentParser
-from model.hf import export_hf
-from pipeline.checkpoint import load_for_inference
+from model.hf import export_hf, hf_config_dict
 from pipeline.config import ConfigError
+from pipeline.inference import LoadedCheckpoint, load_for_inference
 
 EXPORT_MARKER = "lmforge_export.json"
 TOKENIZER_COPY = "lmforge_tokenizer"
@@ -42,8 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_replaceable(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--hf {out} is a file; give a directory")
+    """OUT may be new, empty, or a previous export; never a file, a link, or the directory the
+    export runs in (it is replaced whole)."""
+    check_dir_path(out, "--hf")
+    if out.is_symlink():
+        raise ConfigError(f"--hf {out} is a symbolic link; give the directory it points to")
+    if out == Path.cwd() or out in Path.cwd().parents:
+        raise ConfigError(f"--hf {out} holds the working directory, and an export replaces its "
+                          "directory whole; give a directory by name, outside it")
     if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
         raise ConfigError(f"--hf {out} is not empty and not an lmforge export; "
                           "give a new or empty directory")
@@ -88,12 +96,28 @@ def save_hf_tokenizer(tokenizer_dir: Path, out: Path, context: int) -> None:
 
 
 def export(ckpt_path: str | Path, out: Path) -> Path:
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # "." and "a/.." by their own names
     check_replaceable(out)
     ckpt = load_for_inference(ckpt_path, "cpu")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:  # a model Llama cannot hold is refused before anything is written
+        hf_config_dict(ckpt.config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     eot = eot_id(load_tokenizer_dir(ckpt.tokenizer_dir))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A directory of this process's own beside OUT: nothing of the user's is ever in the way.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        write_export(ckpt, eot, tmp)
+        if out.is_dir():  # empty, or a previous export (check_replaceable)
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def write_export(ckpt: LoadedCheckpoint, eot: int, tmp: Path) -> None:
     copy_plain_tree(ckpt.tokenizer_dir, tmp / TOKENIZER_COPY)  # first: it refuses symlinks
     export_hf(ckpt.model, ckpt.config, tmp, eos_token_id=eot)
     try:
@@ -103,9 +127,6 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
               "(pip install 'lmforge[hf]'); the vocabulary is in lmforge_tokenizer/", file=sys.stderr)
     marker = {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "model": ckpt.config.to_dict()}
     (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

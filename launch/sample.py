@@ -23,12 +23,13 @@ import tiktoken
 
 from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir
 from launch.cli import ArgumentParser
-from model import SamplingError, SamplingParams, stream
+from model import NonFiniteLogits, SamplingError, SamplingParams, stream
 from model.generate import MIN_TEMPERATURE
-from pipeline.checkpoint import LoadedCheckpoint, load_for_inference
 from pipeline.config import ConfigError
 from pipeline.distributed import pick_device
+from pipeline.errors import CheckpointError
 from pipeline.hardware import dtype_name
+from pipeline.inference import LoadedCheckpoint, load_for_inference
 from pipeline.parallelize import Precision
 
 
@@ -108,9 +109,13 @@ def write_sample(ckpt: LoadedCheckpoint, enc: tiktoken.Encoding, prompt_ids: lis
     tokens = (token for (token,) in steps if token is not None)
     # The generator runs the model lazily, so autocast must cover the whole iteration.
     with precision.autocast(ckpt.model):
-        for text in decode_stream(enc, tokens):
-            out.write(text)
-            out.flush()
+        try:
+            for text in decode_stream(enc, tokens):
+                out.write(text)
+                out.flush()
+        except NonFiniteLogits as e:
+            raise CheckpointError(f"cannot sample from {ckpt.path}: {e} (its weights are damaged "
+                                  "or its run diverged); sample an earlier checkpoint") from None
     out.write("\n")
 
 

@@ -1,6 +1,7 @@
 """The lmforge model: a Llama-style GPT, KV-cache generation, Hugging Face export/import."""
 
-from model.generate import KVCache, SamplingError, SamplingParams, generate, stream
+from model.generate import KVCache, NonFiniteLogits, SamplingError, SamplingParams, generate, stream
 from model.model import GPT, ModelConfig
 
-__all__ = ["GPT", "KVCache", "ModelConfig", "SamplingError", "SamplingParams", "generate", "stream"]
+__all__ = ["GPT", "KVCache", "ModelConfig", "NonFiniteLogits", "SamplingError", "SamplingParams",
+           "generate", "stream"]

@@ -144,6 +144,11 @@ class SamplingError(ValueError):
         self.field, self.value, self.expected = field, value, expected
 
 
+class NonFiniteLogits(ValueError):
+    """The model's logits hold NaN or inf: nothing can be sampled from them (weights damaged, or
+    from a run that diverged)."""
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -290,6 +295,8 @@ def stream(
         step_fn, cache = _decode_step, new_cache(P + max_new_tokens) if use_cache else None
     # Without a cache every step recomputes the whole (padded) sequence through a throwaway one.
     logits_BV = model(idx_BT, kv_cache=cache if cache is not None else new_cache(P))[:, -1]
+    if not bool(torch.isfinite(logits_BV).all()):  # once: such weights fail on the first token
+        raise NonFiniteLogits("the model's logits are NaN or inf on the prompt")
     finished = [False] * B
     for step in range(max_new_tokens):
         next_B = sample(logits_BV, sampling, generator)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -46,12 +46,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data_prep.shards import copy_plain_tree
-from model import GPT, ModelConfig
+from model import ModelConfig
 from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from pipeline.distributed import DistInfo, barrier
 from pipeline.metrics import get_logger
 from pipeline.run_dir import RunDir
-from pipeline.safe_dcp import CheckpointError, load_into, load_strict, refusal, single_process_ok
+from pipeline.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
 
 FORMAT = "lmforge-checkpoint"
 VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
@@ -189,16 +189,25 @@ def find_resume(resume: str, run_dir: Path) -> Path | None:
     directory holds no checkpoint: a run never silently restarts over another), auto (the
     newest complete one, if any) or a path."""
     existing = list_complete(RunDir(run_dir).checkpoints)
-    if resume == "none":
-        if existing:
-            raise ConfigError(
-                f"{run_dir} already holds checkpoints (newest {existing[-1].name}); pass "
-                "--resume auto to continue that run, or set --log.out_dir to a new directory"
-            )
+    if resume == "none" and existing:
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints (newest {existing[-1].name}); pass "
+            "--resume auto to continue that run, or set --log.out_dir to a new directory"
+        )
+    if resume in ("none", "auto") and not existing:
+        check_nothing_to_overwrite(RunDir(run_dir))
         return None
-    if resume == "auto":
-        return existing[-1] if existing else None
-    return resolve_resumable(resume)
+    return existing[-1] if resume == "auto" else resolve_resumable(resume)
+
+
+def check_nothing_to_overwrite(run: RunDir) -> None:
+    """A fresh start may not write over the final/ model of an earlier run whose checkpoints are
+    gone. (A start killed before its first checkpoint left only metrics: those are dropped,
+    logged, by trim_metrics.)"""
+    if run.final.exists():
+        raise ConfigError(f"{run.root} holds a finished run ({run.final.name}/) and no checkpoint "
+                          "to resume from; set --log.out_dir to a new directory, or delete it to "
+                          "start over")
 
 
 def _step_or_none(ckpt_dir: Path) -> int | None:
@@ -334,15 +343,19 @@ def check_same_model(meta: CheckpointMeta, model_cfg: ModelConfig, where: Path) 
         )
 
 
-def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig) -> CheckpointMeta:
+def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str) -> CheckpointMeta:
     """The meta of a checkpoint to resume `model_cfg` from, refused with one line if it is of
-    another model or holds no training state. Read before anything is built, so a refused resume
-    costs nothing."""
+    another model, holds another optimizer's state or none. Read before anything is built, so a
+    refused resume costs nothing."""
     meta = read_meta(ckpt_dir)
     check_same_model(meta, model_cfg, ckpt_dir)
     if meta.loader is None:
         raise CheckpointError(f"{ckpt_dir} holds no training state (an export); "
                               "resume from a checkpoints/step_* directory")
+    if (theirs := meta.config.optim.name) != optim_name:
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds {theirs} optimizer state, this run "
+                              f"asks for optim.name = {optim_name}; resume with --optim.name "
+                              f"{theirs}, or start a new run directory")
     return meta
 
 
@@ -396,44 +409,6 @@ def save_consolidated(
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
-
-
-@dataclass
-class LoadedCheckpoint:
-    model: GPT
-    path: Path
-    tokenizer_dir: Path
-    meta: CheckpointMeta
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.meta.model
-
-    @property
-    def step(self) -> int:
-        return self.meta.step
-
-
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Any checkpoint the pipeline writes -> a plain GPT in eval mode on `device`.
-
-    Reads a consolidated export (model.safetensors) directly, and a training checkpoint written
-    by any number of ranks through DCP in this single process.
-    """
-    ckpt = resolve(path)
-    meta = read_meta(ckpt)
-    model = GPT(meta.model)
-    weights = ckpt / "model.safetensors"
-    if weights.is_file():
-        state = load_file(str(weights))
-    else:
-        box = {"model": dict(model.state_dict())}
-        with single_process_ok():
-            load_into(box, ckpt, no_dist=True)
-        state = box["model"]
-    load_strict(model, state, meta.model.tie_embeddings, ckpt)
-    model.to(device).eval()
-    return LoadedCheckpoint(model=model, path=ckpt, tokenizer_dir=ckpt / "tokenizer", meta=meta)
 
 
 def _write_json(path: Path, obj: dict) -> None:

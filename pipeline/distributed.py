@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.hardware import configure_cuda
+from pipeline.typed_config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ def stop_with_launcher() -> bool:
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {requested!r} asked for, but torch sees no CUDA device here "
+                          f"(torch {torch.__version__}); use cpu or auto")
     return torch.device("cuda", local_rank)
 
 
@@ -134,3 +138,9 @@ def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.is_distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether `flag` holds on any rank (a collective: every rank calls it)."""
+    t = torch.tensor([float(flag)], device=info.device)
+    return bool(all_reduce_max(t, info).item())

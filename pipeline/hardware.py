@@ -115,6 +115,7 @@ def _matmul_rate(n: int, dtype: torch.dtype, budget_s: float, min_reps: int = 3)
 
 
 WORKLOADS = ("train", "eval", "sample")
+DTYPE_FLAG = {"train": "--train.dtype", "eval": "--dtype", "sample": "--dtype"}  # where each sets it
 
 
 def measure_bf16_fp32() -> tuple[float, float]:
@@ -255,7 +256,7 @@ def resolve_dtype(requested: str, device: torch.device, workload: str = "train")
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16().native:
         probe = cpu_bf16()
         log.warning(f"dtype bf16 on a CPU without native bf16 ({probe.evidence}): matmuls run "
-                    f"~{probe.slowdown}; use --train.dtype auto (or fp32) to train at full speed")
+                    f"~{probe.slowdown}; use {DTYPE_FLAG[workload]} auto (or fp32) to run at full speed")
     else:
         log.info(f"dtype {requested}{_for(workload)}: as configured")
     return dtype

@@ -46,10 +46,15 @@ class TokenWindows:
         self.starts = np.cumsum([0] + [s.tokens for s in infos])
         self.num_tokens = int(self.starts[-1])
         self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
+        if self.num_tokens == 0:
+            how = " (lmforge prepare --val-fraction or --val-docs)" if split == "val" else ""
+            raise DataError(f"the {split} split of {data_dir} is empty; prepare the data with "
+                            f"a {split} split{how}")
         if self.num_windows == 0:
             raise DataError(
                 f"the {split} split of {data_dir} has {self.num_tokens} tokens, fewer than "
-                f"seq_len + 1 = {seq_len + 1}; lower data.seq_len or prepare more data")
+                f"seq_len + 1 = {seq_len + 1}; use a shorter sequence (data.seq_len to train, "
+                "--seq-len to eval) or prepare more data")
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split's stream as int64, across shard boundaries."""

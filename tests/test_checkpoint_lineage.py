@@ -21,6 +21,7 @@ from pipeline import checkpoint as ckpt
 from pipeline.config import JobConfig
 from pipeline.data import TokenWindows
 from pipeline.distributed import DistInfo
+from pipeline.inference import load_for_inference
 from pipeline.run_dir import RunDir
 from pipeline.train import Trainer
 
@@ -78,7 +79,7 @@ def test_after_a_rollback_resume_eval_sample_export_pick_the_current_line(rolled
                                                                           tmp_path, monkeypatch):
     run_dir = rolled_back
     assert ckpt.find_resume("auto", run_dir).name == "step_00000003"
-    assert ckpt.resolve(run_dir).name == "final" and ckpt.load_for_inference(run_dir).step == 3
+    assert ckpt.resolve(run_dir).name == "final" and load_for_inference(run_dir).step == 3
 
     from launch import evaluate, export, sample
 
@@ -157,12 +158,12 @@ class _RunsCode:
 def test_crafted_dcp_metadata_is_refused_and_runs_nothing(trained, tiny_data, tmp_path):
     run_dir = copy_of(trained, tmp_path)
     step = run_dir / "checkpoints" / "step_00000002"
-    assert ckpt.load_for_inference(step).step == 2  # a real single-rank DCP checkpoint loads
+    assert load_for_inference(step).step == 2  # a real single-rank DCP checkpoint loads
     marker = tmp_path / "ran.txt"
     (step / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     shutil.rmtree(run_dir / "final")  # --ckpt RUN now resolves to the crafted step checkpoint
     with pytest.raises(ckpt.CheckpointError, match=r"refusing to load .*\.metadata.*pathlib.Path.write_text"):
-        ckpt.load_for_inference(run_dir)
+        load_for_inference(run_dir)
     with pytest.raises(ckpt.CheckpointError, match="refusing to load"):  # and on the resume path
         Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4", "--checkpoint.resume", "auto"), CPU)
     assert not marker.exists()
@@ -231,7 +232,7 @@ def test_resuming_an_abandoned_branch_at_the_newest_step_moves_the_current_line_
                     "--checkpoint.resume", str(step2), *common), CPU).fit()
     (a_moved,) = RunDir(run_dir).abandoned.iterdir()
     a_step4 = a_moved / "step_00000004"
-    b_weights = ckpt.load_for_inference(run_dir / "final").model.state_dict()
+    b_weights = load_for_inference(run_dir / "final").model.state_dict()
 
     Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "6", "--checkpoint.resume", str(a_step4),
                     *common), CPU).fit()
@@ -239,10 +240,10 @@ def test_resuming_an_abandoned_branch_at_the_newest_step_moves_the_current_line_
     assert len(moved) == 2
     b_moved = next(m for m in moved if m != a_moved)
     assert sorted(p.name for p in b_moved.iterdir()) == ["final", "step_00000004"]
-    kept = ckpt.load_for_inference(b_moved / "final").model.state_dict()
+    kept = load_for_inference(b_moved / "final").model.state_dict()
     assert all(torch.equal(kept[k], b_weights[k]) for k in b_weights)  # B's export, untouched
     assert step_names(run_dir) == ["step_00000002", "step_00000006"]
     newest = ckpt.find_resume("auto", run_dir)
-    final = ckpt.load_for_inference(run_dir).model.state_dict()
-    resumable = ckpt.load_for_inference(newest).model.state_dict()
+    final = load_for_inference(run_dir).model.state_dict()
+    resumable = load_for_inference(newest).model.state_dict()
     assert newest.name == "step_00000006" and all(torch.equal(final[k], resumable[k]) for k in final)

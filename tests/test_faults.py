@@ -21,6 +21,7 @@ from bench.runs import (
     wait_until,
 )
 from pipeline import checkpoint as ckpt
+from pipeline.inference import load_for_inference
 
 pytestmark = pytest.mark.dist
 
@@ -66,7 +67,7 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tiny_data, t
     assert kills >= 1, f"seed {seed}: every run finished before its kill"
     print(f"{kills} SIGKILLs survived; losses of steps 1-{STEPS} identical to the uninterrupted run")
     # The 2-rank DDP checkpoint loads in one process through the restricted metadata reader.
-    assert ckpt.load_for_inference(run_dir / "checkpoints" / ckpt.step_dir_name(STEPS)).step == STEPS
+    assert load_for_inference(run_dir / "checkpoints" / ckpt.step_dir_name(STEPS)).step == STEPS
 
 
 # Stalls the step-4 save after DCP has written its shards, before the RNG files and meta.json:
@@ -105,4 +106,4 @@ def test_checkpoint_write_killed_midway_leaves_the_previous_one_current(tiny_dat
     assert "resumed from" in res.stdout and "step_00000002 at step 2" in res.stdout, res.stdout[-2000:]
     assert sorted(losses(run_dir)) == list(range(1, 7))
     assert [p.name for p in ckpt.list_complete(run_dir / "checkpoints")] == ["step_00000006"]
-    assert not half_written.exists() and ckpt.load_for_inference(run_dir).step == 6
+    assert not half_written.exists() and load_for_inference(run_dir).step == 6

@@ -13,6 +13,7 @@ from bench.runs import TINY_ARGS, losses, metrics, run
 from pipeline import checkpoint as ckpt
 from pipeline.config import OptimConfig, load_config
 from pipeline.distributed import DistInfo
+from pipeline.inference import load_for_inference
 from pipeline.optim import lr_at
 from pipeline.train import Trainer, TrainingStopped
 
@@ -48,9 +49,9 @@ def test_end_to_end_run_writes_everything(tiny_data, tmp_path):
     assert len(recs[4]["samples"]) == 2 and recs[4]["samples"][0].startswith("def ")
     assert (run_dir / "config.toml").is_file() and (run_dir / "loss.png").is_file()
     assert load_config(str(run_dir / "config.toml"), []).train.max_steps == 10
-    loaded = ckpt.load_for_inference(run_dir)
+    loaded = load_for_inference(run_dir)
     assert loaded.step == 10 and loaded.path.name == "final"
-    from_dcp = ckpt.load_for_inference(run_dir / "checkpoints" / "step_00000010")
+    from_dcp = load_for_inference(run_dir / "checkpoints" / "step_00000010")
     for (k, a), (_, b) in zip(loaded.model.state_dict().items(), from_dcp.model.state_dict().items()):
         assert torch.equal(a, b), k
 
@@ -103,15 +104,15 @@ def test_incomplete_checkpoint_is_ignored_by_resume_auto(tiny_data, tmp_path):
 
 def test_checkpoint_errors_are_clear(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
-        ckpt.load_for_inference(tmp_path / "nope")
+        load_for_inference(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
-        ckpt.load_for_inference(tmp_path / "empty")
+        load_for_inference(tmp_path / "empty")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "meta.json").write_text(json.dumps({"format": "lmforge-checkpoint", "version": 99, "step": 1}))
     with pytest.raises(ckpt.CheckpointError, match="version 99"):
-        ckpt.load_for_inference(bad)
+        load_for_inference(bad)
 
 
 def test_dry_run_prints_resolved_config(tmp_path):
@@ -173,7 +174,7 @@ def test_step_checkpoint_whose_weights_do_not_fit_is_one_clear_error(tiny_data, 
     meta["model"]["d_model"] = 128
     (step / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="do not fit.*shape"):
-        ckpt.load_for_inference(step)
+        load_for_inference(step)
 
 
 def test_ddp_or_fsdp_preset_runs_as_one_plain_process(tiny_data, tmp_path):
