@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from data_prep.errors import DataError
 from data_prep.shards import load_manifest
-from launch.cli import ArgumentParser
+from launch.cli import ERROR_DIR, ArgumentParser
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
-from pipeline.distributed import DistInfo, distributed, stop_with_launcher
+from pipeline.distributed import DistInfo, any_rank, distributed, stop_with_launcher
 from pipeline.materialize import meta_gpt
 from pipeline.metrics import get_logger, setup_logging
 from pipeline.mixture import describe_mixture, open_sources
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                           "`lmforge train --nproc N` or torchrun")
     stop_with_launcher()  # a killed torchrun must not leave its workers training
     out_dir = Path(cfg.log.out_dir)
-    with distributed(cfg.train.device) as info, run_lock(out_dir, take=info.is_main):
+    with distributed(cfg.train.device) as info, \
+            run_lock(out_dir, take=info.is_main, any_failed=lambda failed: any_rank(failed, info)):
         setup_logging(info.rank, out_dir if info.is_main else None)
         return fit(cfg, info)
 
@@ -129,12 +130,33 @@ def cli_main(argv: list[str]) -> int:
     cfg = load_config(parsed.config, overrides)
     open_sources(cfg.data)
     check_unlocked(Path(cfg.log.out_dir))
-    rest = _without_nproc(argv)
-    torchrun = shutil.which("torchrun")
-    prefix = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = prefix + ["--standalone", f"--nproc_per_node={parsed.nproc}", "-m", "launch.train", *rest]
-    os.execv(cmd[0], cmd)
-    return 0  # unreachable
+    return torchrun(["--standalone", f"--nproc_per_node={parsed.nproc}", "-m", "launch.train",
+                     *_without_nproc(argv)])
+
+
+def torchrun(args: list[str]) -> int:
+    """torchrun's agent in this process, as its own command would run it. A user error in the
+    ranks is one `error:` line and exit 2 (the lowest rank's line: every rank of a config or
+    data mistake has the same), not each rank's line under torchrun's ChildFailedError
+    traceback; any other failure is torchrun's report, unchanged."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args as torchrun_args
+    from torch.distributed.run import run
+
+    with tempfile.TemporaryDirectory(prefix="lmforge-errors-") as errors:
+        os.environ[ERROR_DIR] = errors
+        try:
+            run(torchrun_args(args))
+        except ChildFailedError as e:
+            lines = [p.read_text() for p in sorted(Path(errors).iterdir())]
+            codes = {f.exitcode for f in e.failures.values()}  # < 0: stopped by torchrun's signal
+            if not lines or 2 not in codes or any(c > 0 and c != 2 for c in codes):
+                raise
+            print(lines[0], file=sys.stderr)
+            return 2
+        finally:
+            del os.environ[ERROR_DIR]
+    return 0
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 VOCAB_MULTIPLE = 64  # the LM-head matmul is faster when V is a multiple of 64
 MLP_KINDS = ("swiglu", "gelu")
 IGNORE_INDEX = -100  # a target the loss skips (eval padding rows); cross_entropy's default
+MAX_SEQ_LEN = 2**20
 
 
 @dataclass
@@ -56,6 +57,8 @@ class ModelConfig:
         for name in sizes:
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.max_seq_len > MAX_SEQ_LEN:  # its RoPE tables are built whole, up front
+            raise ValueError(f"model.max_seq_len must be <= {MAX_SEQ_LEN:,}, got {self.max_seq_len:,}")
         if self.vocab_size < 0:
             raise ValueError(f"model.vocab_size must be >= 0 (0 = set later), got {self.vocab_size}")
         if self.d_mlp is not None and self.d_mlp <= 0:

@@ -240,12 +240,20 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file '{path}' not found") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:  # a directory, a permission, binary bytes
+            raise ConfigError(f"cannot read config file '{path}' ({e}); give a TOML file") from None
     # The data named on the command line replaces the file's, whichever way each names it.
     if named := {k for k, _ in parse_overrides(list(overrides))} & {f"data.{k}" for k in DATA_KEYS}:
         for key in DATA_KEYS:
             if f"data.{key}" not in named:
                 d.get("data", {}).pop(key, None)
     return config_from_dict(apply_overrides(JobConfig, d, list(overrides)))
+
+
+def wsd_decay_steps(max_steps: int, o: OptimConfig) -> int:
+    """WSD's decay window: the last decay_fraction of the run (one step at least), after the
+    warmup: a window reaching into the warmup would drop the lr from a peak never reached."""
+    return min(max(1, round(o.decay_fraction * max_steps)), max(0, max_steps - o.warmup_steps))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -371,10 +379,13 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
     """The start-of-run summary: why each training number is what it is."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     vocab = m.vocab_size or "from data"
-    if o.schedule == "cosine":
+    if o.warmup_steps > t.max_steps:
+        decay = (f"warmup longer than the run: it ends at {t.max_steps / o.warmup_steps:.0%} of the "
+                 "peak (lower optim.warmup_steps to reach it)")
+    elif o.schedule == "cosine":
         decay = f"cosine to {o.lr * o.min_lr_ratio:.3g}"
     else:
-        decay_steps = round(o.decay_fraction * t.max_steps)
+        decay_steps = wsd_decay_steps(t.max_steps, o)
         decay = f"stable, then linear decay over the last {decay_steps} steps to {o.lr * o.min_lr_ratio:.3g}"
     return "\n".join([
         f"model:     {_human(n_params)} params ({m.n_layer} layers, d_model {m.d_model}, "

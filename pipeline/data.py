@@ -82,6 +82,29 @@ def _split_xy(w: np.ndarray, used: np.ndarray) -> tuple[torch.Tensor, torch.Tens
     return x, y
 
 
+def _counts(d: object, keys: tuple[str, ...]) -> bool:
+    return isinstance(d, dict) and all(
+        type(d.get(k)) is int and d[k] >= 0 for k in keys)  # type(): a bool is no count
+
+
+def _checked_state(d: object) -> dict:
+    """A loader state read from a checkpoint's meta.json, of either version, with the types and
+    ranges the loader relies on; DataError otherwise (the file is damaged or hand-edited)."""
+    if isinstance(d, dict) and "version" not in d:  # version 1
+        ok = _counts(d, ("epoch", "position", "num_windows")) and type(d.get("seed")) is int \
+            and d["position"] <= d["num_windows"]
+    else:
+        sources = d.get("sources") if isinstance(d, dict) else None
+        ok = _counts(d, ("version", "step")) and type(d.get("seed")) is int and \
+            isinstance(d.get("align"), str) and isinstance(sources, dict) and all(
+                _counts(c, ("epoch", "position", "tokens", "num_rows"))
+                and c["position"] <= c["num_rows"] for c in sources.values())
+    if not ok:
+        raise DataError("the checkpoint's loader state (meta.json, \"loader\") is malformed; the "
+                        "checkpoint is damaged: resume from another one or start a new run")
+    return d
+
+
 class TrainLoader:
     """This rank's micro-batches of each optimizer step; see the module docstring for the order.
 
@@ -201,7 +224,7 @@ class TrainLoader:
                             for name, c in self.cursors.items()}}
 
     def load_state_dict(self, d: dict) -> None:
-        d = self._upgrade(d)
+        d = self._upgrade(_checked_state(d))
         ours = {n: s.rows.num_rows for n, s in self.sources.items()}
         theirs = {n: c["num_rows"] for n, c in d["sources"].items()}
         align = next(iter(self.sources.values())).rows.align

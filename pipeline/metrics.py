@@ -144,6 +144,9 @@ def trim_metrics(path: Path, last_step: int) -> int:
         get_logger().warning("%s: dropped %d torn line(s) (line %s), written by a run that stopped "
                     "mid-write", path, len(torn), ", ".join(map(str, torn)))
     kept = [(ln, step) for ln, step in zip(lines, steps) if step is not None and step <= last_step]
+    if dropped := sum(step is not None and step > last_step for step in steps):
+        get_logger().warning("%s: dropped %d record(s) past step %d, written by a run that stopped "
+                             "before checkpointing them", path, dropped, last_step)
     path.write_bytes(b"".join(ln + b"\n" for ln, _ in kept))
     return max((step for _, step in kept), default=0)
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from pipeline.config import OptimConfig
+from pipeline.config import OptimConfig, wsd_decay_steps
 from pipeline.hardware import keep_freed_blocks_after_first_step
 from pipeline.muon import Muon
 
@@ -115,17 +115,18 @@ def lr_multiplier(step: int, max_steps: int, cfg: OptimConfig) -> float:
 
     cosine: decays from the peak (held one step) to the floor over the steps after warmup.
     wsd (warmup-stable-decay): holds the peak, then decays linearly to the floor over the last
-    `decay_fraction` of the run — a run can be extended from a stable-phase checkpoint.
+    `decay_fraction` of the run, never reaching back into the warmup — a run can be extended
+    from a stable-phase checkpoint.
     """
     floor = cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
-        decay_steps = max(1, round(cfg.decay_fraction * max_steps))
+        decay_steps = wsd_decay_steps(max_steps, cfg)
         decay_start = max_steps - decay_steps
         if step < decay_start:
             return 1.0
-        frac = min(1.0, (step - decay_start + 1) / decay_steps)
+        frac = min(1.0, (step - decay_start + 1) / max(1, decay_steps))
         return 1.0 + frac * (floor - 1.0)
     peak_step = max(cfg.warmup_steps - 1, 0)  # the last warmup step is the peak (step 0 without)
     frac = min(1.0, (step - peak_step) / max(1, max_steps - 1 - peak_step))

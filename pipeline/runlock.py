@@ -18,11 +18,13 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from data_prep.errors import DataError
+from data_prep.shards import check_dir_path
 from pipeline.metrics import get_logger
 from pipeline.run_dir import RunDir
 from pipeline.typed_config import ConfigError
@@ -97,6 +99,7 @@ def _refusal(path: Path, holder: Holder | None, running: bool | None) -> ConfigE
 def check_unlocked(run_dir: Path) -> None:
     """ConfigError when a live run holds run_dir's lock (what a launcher checks before it starts
     workers; the lock itself is taken by rank 0)."""
+    check_dir_path(run_dir, "log.out_dir")
     path = RunDir(run_dir).lock
     found = _read(path)
     if found is not None:
@@ -148,15 +151,26 @@ def _acquire(path: Path, me: Holder) -> None:
 
 
 @contextmanager
-def run_lock(run_dir: Path, take: bool = True) -> Iterator[None]:
+def run_lock(run_dir: Path, take: bool = True,
+             any_failed: Callable[[bool], bool] = lambda failed: failed) -> Iterator[None]:
     """Hold run_dir's lock for the body (take=False: do nothing, as every rank but rank 0);
-    ConfigError, before anything is written, when a live run holds it."""
+    ConfigError, before anything is written, when a live run holds it. `any_failed` (a
+    collective over the ranks) lets every rank stop with rank 0's refusal, not wait in its first
+    collective for a rank that has gone."""
+    error = None
+    if take:
+        try:
+            check_dir_path(run_dir, "log.out_dir")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            path, me = RunDir(run_dir).lock, Holder.this_process()
+            _acquire(path, me)
+        except (ConfigError, DataError) as e:
+            error = e
+    if any_failed(error is not None):
+        raise error or ConfigError(f"{run_dir}: rank 0 could not take the run's lock")
     if not take:
         yield
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path, me = RunDir(run_dir).lock, Holder.this_process()
-    _acquire(path, me)
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ import tiktoken
 import torch
 
 from data_prep.shards import load_manifest
-from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_byte_lengths
+from data_prep.tokenizer import dataset_tokenizer, encode_prompt, eot_id, token_byte_lengths
 from model import GPT, ModelConfig, generate
 from pipeline import attention, budget, compile_policy
 from pipeline import checkpoint as ckpt
@@ -84,7 +84,7 @@ def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, eval_cfg: EvalConfi
                vocab_size: int, grad_accum_steps: int, info: DistInfo,
                max_steps: Callable[[], int]) -> TrainData:
     tokenizer_dir = Path(data_cfg.first_path) / "tokenizer"  # every source's (checked)
-    tokenizer = load_tokenizer_dir(tokenizer_dir)
+    tokenizer = dataset_tokenizer(data_cfg.first_path)
     sources, phases = train_sources(data_cfg, vocab_size)
     loader = TrainLoader(sources, train_cfg.micro_batch_size, grad_accum_steps, info.rank,
                          info.world_size, train_cfg.seed, phases,
@@ -136,8 +136,8 @@ class Trainer:
         self.derived = derive(cfg, info.world_size)  # a batch that does not divide: error
         grad_accum_steps = self.derived.grad_accum_steps
         resume_from = ckpt.find_resume(cfg.checkpoint.resume, self.run_dir)
-        resume_meta = None if resume_from is None else ckpt.read_resumable(resume_from,
-                                                                           self.model_cfg)
+        resume_meta = None if resume_from is None else ckpt.read_resumable(
+            resume_from, self.model_cfg, cfg.optim.name)
 
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
                                grad_accum_steps=grad_accum_steps, info=info,
@@ -391,7 +391,10 @@ class Trainer:
         peak = self.peak * self.info.world_size if self.peak else None
         mfu = self.flops_per_token * tok_s / peak if peak else None
         record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
-                  "mfu": mfu, "tokens": self.step * step_tokens, "epoch": self.data.loader.epoch}
+                  "mfu": mfu, "epoch": self.data.loader.epoch,
+                  # the targets trained so far, as the loader's cursors count them: right across
+                  # a resume with another batch size, and without the padding of doc-aligned rows
+                  "tokens": sum(c["tokens"] for c in self.data.loader.cursors.values())}
         if self.data.mixture:
             for name, c in self.data.loader.cursors.items():
                 record |= {f"tokens/{name}": c["tokens"], f"epoch/{name}": c["epoch"]}

@@ -116,6 +116,34 @@ def test_state_round_trip_is_bit_identical(data, tmp_path):
             assert torch.equal(wx, gx) and torch.equal(wy, gy)
 
 
+def damage(state: dict, how: str):
+    sources = state["sources"]["train"]
+    if how == "not a dict":
+        return "garbage"
+    if how == "negative position":
+        sources["position"] = -5
+    elif how == "position past the rows":
+        sources["position"] = sources["num_rows"] + 1
+    elif how == "text step":
+        state["step"] = "3"
+    elif how == "bool epoch":
+        sources["epoch"] = True
+    else:  # "sources a list"
+        state["sources"] = [sources]
+    return state
+
+
+@pytest.mark.parametrize("how", ["not a dict", "negative position", "position past the rows",
+                                 "text step", "bool epoch", "sources a list"])
+def test_a_damaged_loader_state_is_a_data_error(data, how):
+    loader = TrainLoader(TokenWindows(data, "train", SEQ, VOCAB), 2, 2, 0, 1, seed=3)
+    loader.next_micro_batches()
+    state = loader.state_dict()
+    loader.load_state_dict(state)  # the undamaged state loads
+    with pytest.raises(DataError, match="loader state .* is malformed"):
+        loader.load_state_dict(damage(state, how))
+
+
 @pytest.mark.parametrize("before,after", [((2, 1), (1, 2)), ((1, 4), (4, 1)), ((4, 1), (2, 2))])
 def test_resume_on_another_world_size(data, before, after):
     full = run(data, 15, *before)[0]

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, metrics, train
+from bench.runs import TINY_ARGS, metrics, run, train, train_cmd
 from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import OptimConfig, load_config
@@ -93,3 +93,25 @@ def test_weight_decay_on_matrices_only():
     for name, p in model.named_parameters():
         expected = before[name] * (1 - cfg.lr * cfg.weight_decay) if p.ndim >= 2 else before[name]
         assert torch.allclose(p.detach(), expected, rtol=1e-6, atol=0), name
+
+
+def test_the_tokens_metric_counts_what_was_trained_across_a_batch_change(runs, tiny_data, tmp_path):
+    straight = per_step(runs[0])
+    shutil.copytree(runs[0] / "checkpoints" / f"step_{HALF:08d}",
+                    tmp_path / "checkpoints" / f"step_{HALF:08d}")
+    train(run_args(tiny_data, tmp_path, "--resume", "auto", "--train.global_batch_tokens", "1024",
+                   "--train.max_steps", str(HALF + 1)))
+    step = per_step(tmp_path)[HALF + 1]
+    # Step 5 trained one 1024-token batch after four of 512: not 5 x 1024.
+    assert straight[HALF]["tokens"] < step["tokens"] <= straight[HALF]["tokens"] + 1024
+    assert straight[HALF + 1]["tokens"] - straight[HALF]["tokens"] <= 512
+
+
+def test_resuming_with_another_optimizer_names_it(runs, tiny_data, tmp_path):
+    shutil.copytree(runs[0] / "checkpoints" / f"step_{HALF:08d}",
+                    tmp_path / "checkpoints" / f"step_{HALF:08d}")
+    theirs = load_config(None, run_args(tiny_data, tmp_path)).optim.name
+    other = "muon" if theirs == "adamw" else "adamw"
+    res = run(train_cmd(run_args(tiny_data, tmp_path, "--resume", "auto", "--optim.name", other)))
+    assert res.returncode == 2 and "Traceback" not in res.stdout, res.stdout[-3000:]
+    assert f"holds {theirs} optimizer state" in res.stdout and f"--optim.name {theirs}" in res.stdout
