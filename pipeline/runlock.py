@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -157,7 +158,7 @@ def run_lock(run_dir: Path, take: bool = True,
     ConfigError, before anything is written, when a live run holds it. `any_failed` (a
     collective over the ranks) lets every rank stop with rank 0's refusal, not wait in its first
     collective for a rank that has gone."""
-    error = None
+    error, created = None, take and not run_dir.exists()
     if take:
         try:
             check_dir_path(run_dir, "log.out_dir")
@@ -173,7 +174,15 @@ def run_lock(run_dir: Path, take: bool = True,
         return
     try:
         yield
-    finally:
-        found = _read(path)
-        if found is not None and found[0] == me.to_bytes():
-            path.unlink()
+    except BaseException:
+        _release(path, me)
+        if created and {p.name for p in run_dir.iterdir()} <= {RunDir(run_dir).log.name}:
+            shutil.rmtree(run_dir)  # a start refused before it wrote anything leaves no directory
+        raise
+    _release(path, me)
+
+
+def _release(path: Path, me: Holder) -> None:
+    found = _read(path)
+    if found is not None and found[0] == me.to_bytes():
+        path.unlink()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import run, run_args
+from bench.runs import run, run_args, train_cmd
 from data_prep.errors import DataError
 from data_prep.tokenizer import dataset_tokenizer, save_tokenizer_dir, train_bpe
 from pipeline import checkpoint as ckpt
@@ -106,3 +106,12 @@ def test_a_mistake_under_nproc_2_is_one_error_line(tiny_data, tmp_path, mistake)
     assert res.returncode == 2 and "Traceback" not in res.stdout, res.stdout[-3000:]
     assert len(lines) == 1 and mistake[0].lstrip("-") in lines[0], res.stdout[-3000:]
     assert not Path(tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_start_refused_before_it_wrote_anything_leaves_no_directory(tiny_data, tmp_path):
+    res = run(train_cmd(run_args(tiny_data, tmp_path / "new", "--model.vocab_size", "100")))
+    assert res.returncode == 2 and "data vocab" in res.stdout, res.stdout[-3000:]
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()  # a directory the user made stays, whatever happens in it
+    res = run(train_cmd(run_args(tiny_data, tmp_path / "old", "--model.vocab_size", "100")))
+    assert res.returncode == 2 and (tmp_path / "old").is_dir()
