@@ -124,7 +124,9 @@ def test_non_matmul_time_is_the_step_less_its_profiled_matmuls():
 
     mm_ms, other_ms = paired_matmul_ms(one_step, 5, "cpu")
     assert 0 < mm_ms < 25, mm_ms
-    assert 45 < other_ms < 200, other_ms
+    # The rest is the 50 ms wait, less what a stall inside the profiled matmul moved to its side
+    # (CI at 3e5df39 read 44.9 ms): not ~0 (the wait counted as matmul), not double.
+    assert 40 < other_ms < 200, other_ms
 
 
 def test_one_lucky_round_decides_no_target():
