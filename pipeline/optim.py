@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from pipeline.config import OptimConfig, wsd_decay_steps
-from pipeline.hardware import keep_freed_blocks_after_first_step
 from pipeline.muon import Muon
 
 
@@ -48,9 +47,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
 
 def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
     """On CPU, a whole replica's steps reuse their freed buffers from the first step's end on
-    (pipeline.hardware.keep_freed_blocks_after_first_step); FSDP2's shards give theirs back
-    (pipeline.parallelize)."""
+    (pipeline.cpu.allocator); FSDP2's shards give theirs back (pipeline.parallelize)."""
     if torch.device(device).type == "cpu" and not isinstance(model, FSDPModule):
+        from pipeline.cpu.allocator import keep_freed_blocks_after_first_step  # the CPU room
+
         last = optimizer.optimizers[-1] if isinstance(optimizer, Optimizers) else optimizer
         keep_freed_blocks_after_first_step(last)
     return optimizer

@@ -2,9 +2,9 @@
 
 The model file knows nothing of any of this (torchtitan's pattern). The order is fixed:
 activation checkpointing (per block) -> compile -> data parallelism. Compile covers the forward
-with its LM-head loss (pipeline.loss, chosen here and passed to every forward, never set on the
-model); under FSDP2 the compiled regions are its units instead (each block, and the loss).
-When to compile is pipeline.compile_policy's.
+with its LM-head loss (pipeline.loss, passed to every forward, never set on the model); under
+FSDP2 the compiled regions are its units instead (each block, and the loss). train.compile =
+auto compiles on CUDA and not on CPU (`resolve_compile`), where the demo and the tests run eager.
 
 `parallelize` returns a `ParallelModel`: the wrapped module with the two things that differ
 between the modes, the micro-step's gradient sync and the autocast, so the training loop never
@@ -17,7 +17,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +27,42 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT
+from pipeline import attention
 from pipeline.attention import Attend
+from pipeline.config import TrainConfig
 from pipeline.distributed import DistInfo
-from pipeline.graph_passes import compile_options
-from pipeline.hardware import MMAP_THRESHOLD, resolve_dtype, set_cpu_allocator
-from pipeline.loss import EAGER_LOSS, HeadLoss, select_loss
+from pipeline.hardware import resolve_dtype
+from pipeline.loss import HeadLoss, build_loss, resolve_loss
 from pipeline.materialize import materialize
 from pipeline.metrics import get_logger
 
 log = get_logger()
+
+
+def resolve_compile(requested: str, device: torch.device) -> str:
+    """train.compile auto|on|off -> on|off: auto compiles on CUDA only. On CPU a cold compile
+    costs 25-40 s, more than the demo's eager steps gain from it (bench/results/README.md)."""
+    if requested != "auto":
+        return requested
+    return "on" if torch.device(device).type == "cuda" else "off"
+
+
+def resolve_choices(t: TrainConfig, device: torch.device, dtype: torch.dtype, seq_len: int,
+                    padded_vocab: int, started: TrainConfig | None = None) -> TrainConfig:
+    """train.compile, .attention and .loss, each auto resolved by its static rule; a resumed run
+    keeps the choices it started with (`started`: its checkpoint's), so it computes as the run
+    it continues."""
+    rules = {
+        "compile": lambda: resolve_compile("auto", device),
+        "attention": lambda: attention.resolve("auto", device, dtype, seq_len),
+        "loss": lambda: resolve_loss("auto", device, padded_vocab, t.micro_batch_size * seq_len),
+    }
+    chosen = {}
+    for name, rule in rules.items():
+        before = getattr(started, name, "auto") if started is not None else "auto"
+        chosen[name] = getattr(t, name) if getattr(t, name) != "auto" else (
+            before if before != "auto" else rule())
+    return replace(t, **chosen)
 
 
 def resolve_parallel(requested: str, info: DistInfo) -> str:
@@ -74,13 +101,13 @@ class Precision:
 @dataclass(frozen=True)
 class ParallelModel:
     """The module to train (as `parallelize` wrapped it), the LM-head loss and the attention its
-    forward is handed (pipeline.loss.select_loss's and pipeline.attention's choices), and what
-    differs between the modes."""
+    forward is handed (train.loss's and train.attention's choices), and what differs between
+    the modes."""
 
     module: nn.Module
     mode: str  # "none" | "ddp" | "fsdp"
     precision: Precision
-    head_loss: HeadLoss = EAGER_LOSS
+    head_loss: HeadLoss
     attend: Attend = F.scaled_dot_product_attention
 
     def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor, reduction: str = "mean"):
@@ -121,28 +148,30 @@ def parallelize(
     precision: Precision,
     compile_model: bool,
     activation_checkpointing: bool,
+    loss: str = "chunked",
+    ddp_bucket_mb: float = 25.0,
     attend: Attend = F.scaled_dot_product_attention,
     init_seed: int | None = None,
 ) -> ParallelModel:
     """Wrap `model` for training. `parallel` is resolved (none | ddp | fsdp: see
     resolve_parallel). With init_seed, `model` is a meta-device build (materialize.meta_gpt),
     allocated on info.device and initialised after sharding, so that under FSDP2 a rank holds only
-    its shards; without, it must already hold its initial weights on info.device. attend: the
-    attention every forward is handed (pipeline.attention.kernel of train.attention)."""
+    its shards; without, it must already hold its initial weights on info.device. loss: a resolved
+    train.loss (pipeline.loss.build_loss); ddp_bucket_mb: DDP's gradient buckets (a compiled DDP
+    model is split into one region per bucket); attend: the attention every forward is handed
+    (pipeline.attention.kernel of train.attention)."""
     if activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
     if compile_model:
         compile_regions(model, per_block=parallel == "fsdp")
-    head_loss = select_loss(compile_model, compiled_with_model=parallel != "fsdp")
+    head_loss = build_loss(loss, info.device, compile_alone=compile_model and parallel == "fsdp")
     module: nn.Module = model
     if parallel == "fsdp":
-        # Sharding is for memory: on CPU, memory only shrinks with the ranks once malloc gives
-        # FSDP2's freed per-block buffers back (a step costs more page faults for it).
-        if info.device.type == "cpu" and set_cpu_allocator("release"):
-            log.info("FSDP2 on CPU: glibc malloc's mmap threshold fixed at %d KiB, so freed "
-                     "buffers go back to the OS (set MALLOC_MMAP_THRESHOLD_ to choose another)",
-                     MMAP_THRESHOLD // 1024)
+        if info.device.type == "cpu":
+            from pipeline.cpu.allocator import release_freed_blocks  # the CPU room
+
+            release_freed_blocks()
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters
         # the optimizer updates are the master weights.
         mp = MixedPrecisionPolicy(
@@ -155,23 +184,23 @@ def parallelize(
         materialize(model, info.device, init_seed)
     if parallel == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
-        module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        module = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=ddp_bucket_mb,
+                                         gradient_as_bucket_view=True)
     return ParallelModel(module, parallel, precision, head_loss, attend)
 
 
 def compile_regions(model: GPT, per_block: bool) -> None:
     """torch.compile the forward in place: Module.compile keeps parameter names free of an
     `_orig_mod.` prefix, so checkpoints load the same whether or not the run was compiled.
-    The loss the forward is handed (select_loss's FusedLoss) is traced with it; under FSDP2 the
-    blocks are compiled alone (its all-gather hooks run between them) and the loss compiles as
-    its own region. dynamic=False: training's one shape and eval's one shape get a static graph
-    each (eval batches are padded to one shape), instead of a slower dynamic-shape graph.
-    Inductor runs pipeline.graph_passes' rewrites on what it compiles."""
+    The loss the forward is handed is traced with it; under FSDP2 the blocks are compiled alone
+    (its all-gather hooks run between them) and the loss compiles as its own region.
+    dynamic=False: training's one shape and eval's one shape get a static graph each (eval
+    batches are padded to one shape), instead of a slower dynamic-shape graph."""
     if not per_block:
-        model.compile(dynamic=False, options=compile_options())
+        model.compile(dynamic=False)
         return
     for block in model.blocks:
-        block.compile(dynamic=False, options=compile_options())
+        block.compile(dynamic=False)
 
 
 def compiled_graphs() -> int:
@@ -179,18 +208,29 @@ def compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def compiled_regions() -> int:
+    """Regions inductor has compiled so far: a graph DDP splits at its gradient buckets (dynamo's
+    DDPOptimizer, so that each bucket's all-reduce overlaps the backward) is several."""
+    return torch._dynamo.utils.counters["aot_autograd"]["total"]
+
+
 class RecompileWatch:
-    """Warns when torch.compile builds a graph after warm-up. Each phase ("train", "eval")
-    compiles on its first call; any later graph is a recompile (a guard failed: a new shape,
-    dtype or grad mode) that costs seconds every time it happens."""
+    """Says what torch.compile built for each phase ("train", "eval") on its first call, and warns
+    when it builds a graph after that: a recompile (a guard failed: a new shape, dtype or grad
+    mode) that costs seconds every time it happens."""
 
     def __init__(self):
-        self.seen_phases, self.graphs = set(), compiled_graphs()
+        self.seen_phases, self.graphs, self.regions = set(), compiled_graphs(), compiled_regions()
 
     def check(self, phase: str, step: int) -> int:
         """Call after each phase; returns the graphs built since the last check."""
         new = compiled_graphs() - self.graphs
         self.graphs += new
+        regions = compiled_regions() - self.regions
+        self.regions += regions
+        if new and phase not in self.seen_phases:
+            log.info("torch.compile: %s built %d graph(s), %d compiled region(s)", phase, new,
+                     regions)
         if new and phase in self.seen_phases:
             log.warning(
                 "step %d: torch.compile recompiled %d graph(s) during %s after warm-up; "

@@ -29,7 +29,7 @@ from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, derive
 from pipeline.hardware import GPU_PEAKS, gpu_dtype  # the datasheet table, kept in one place
-from pipeline.loss import EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS, chunk_tokens
+from pipeline.loss import CHUNK_ELEMS, chunk_tokens, resolve_loss
 from pipeline.materialize import meta_gpt
 from pipeline.optim import is_muon_matrix
 
@@ -119,13 +119,21 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
     return batch * seq_len * (blocks + head)
 
 
-def head_loss_bytes(model: GPT, tokens: int) -> int:
-    """What the LM-head loss of a micro-batch of `tokens` holds at most, and the head's fp32
-    gradient: the loss runs by chunks (pipeline.loss.chunk_tokens), with two fp32 chunk x V
-    buffers (eager: logits and probabilities; compiled: the logits and their gradient, in
-    its taller chunks: the plan does not know whether the run compiles, so it takes those)."""
+def planned_loss(cfg: JobConfig, m: ModelConfig) -> str:
+    """train.loss as a GPU run resolves it (the plan is for GPUs)."""
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    return resolve_loss(cfg.train.loss, torch.device("cuda"), m.padded_vocab_size, tokens)
+
+
+def head_loss_bytes(model: GPT, tokens: int, loss: str, bf16: bool) -> int:
+    """What the LM-head loss of a micro-batch of `tokens` holds at most on a GPU, by train.loss
+    as resolved there (pipeline.loss): full, the whole logits in the compute dtype with their fp32
+    copy and log-probabilities (fp32 gradient and its cast in backward take their place); chunked,
+    two fp32 chunk x V buffers and the head's fp32 gradient sum."""
     V = model.cfg.padded_vocab_size
-    chunk = chunk_tokens(V, tokens, max(EAGER_CHUNK_ELEMS, FUSED_CHUNK_ELEMS))
+    if loss == "full":
+        return tokens * V * ((BF16 if bf16 else FP32) + 2 * FP32)
+    chunk = chunk_tokens(V, tokens, CHUNK_ELEMS["cuda"])
     return 2 * FP32 * chunk * V + FP32 * V * model.cfg.d_model
 
 
@@ -167,7 +175,7 @@ def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strat
     mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
     acts = activation_bytes(model_cfg, mb, T, bf16, False)
     acts_ac = activation_bytes(model_cfg, mb, T, bf16, True)
-    head = head_loss_bytes(model, mb * T)
+    head = head_loss_bytes(model, mb * T, planned_loss(cfg, model_cfg), bf16)
     p_bytes = BF16 if bf16 else FP32
     block, outside = _blocks_bytes(model)
     ddp = Strategy("DDP", state_bytes(shapes, world, sharded=False, muon=muon),
@@ -241,7 +249,7 @@ def report(cfg: JobConfig, nproc: int, nnodes: int, gpu_name: str, mfu: float) -
         ("unsharded grads (accumulation)", lambda s: s.accumulated),
         ("activations / micro-batch", lambda s: s.activations),
         ("  with activation checkpointing", lambda s: s.activations_ac),
-        ("LM-head loss (logits, by chunks if big)", lambda s: s.head_loss),
+        (f"LM-head loss ({planned_loss(cfg, model_cfg)})", lambda s: s.head_loss),
         (f"peak (checkpointing {'on' if with_ac else 'off'})", lambda s: s.peak(with_ac)),
     ]
     lines += [f"{label:<34}{_gib(f(ddp)):>14}{_gib(f(fsdp)):>14}" for label, f in rows]
