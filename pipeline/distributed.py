@@ -126,13 +126,6 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
-def broadcast_from_main(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Rank 0's tensor on every rank, in place (no-op on one process), and return it."""
-    if info.is_distributed:
-        dist.broadcast(t, src=0)
-    return t
-
-
 def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Elementwise maximum of a tensor across ranks in place (no-op on one process)."""
     if info.is_distributed:

@@ -14,8 +14,6 @@ branches on the mode. `Precision` is the compute dtype and the one rule for when
 from __future__ import annotations
 
 import contextlib
-import os
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -124,9 +122,6 @@ class ParallelModel:
         when `sync`. DDP's forward decides whether the coming backward all-reduces, so no_sync
         must cover the forward too. FSDP's switch is a persistent module setting: it is set on
         entry and put back to syncing on exit, so a backward outside a micro-step still syncs."""
-        if TRACE_PREFIX:
-            _trace_collectives(self.module, self.mode)
-            _trace(f"micro sync={int(sync)}")
         if sync or self.mode == "none":
             yield
         elif self.mode == "ddp":
@@ -238,45 +233,3 @@ class RecompileWatch:
             )
         self.seen_phases.add(phase)
         return new
-
-
-# Test-only instrumentation (tests/test_accumulation.py): with LMFORGE_TRACE_GRAD_SYNC=PREFIX each
-# rank appends to PREFIX.rank<N> a line "micro sync=0|1" per micro-step and "reduce" per gradient
-# collective that DDP or FSDP launches, so a test can count the collectives of each optimizer
-# step. Unset (always, outside tests) it costs one `if` per micro-step.
-TRACE_PREFIX = os.environ.get("LMFORGE_TRACE_GRAD_SYNC")
-
-
-_TRACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # kept here, not set on the model
-
-
-def _trace(event: str) -> None:
-    with open(f"{TRACE_PREFIX}.rank{os.environ.get('RANK', '0')}", "a") as f:
-        f.write(event + "\n")
-
-
-def _trace_collectives(model: nn.Module, parallel: str) -> None:
-    """Once per model: wrap DDP's all-reduce / FSDP's reduce-scatter to log each call."""
-    # Imported here: only the tests reach this, and FSDP's comm class is private.
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    if model in _TRACED:
-        return
-    _TRACED.add(model)
-    if parallel == "ddp":
-        def traced_allreduce(process_group, bucket):
-            _trace("reduce")
-            return allreduce_hook(process_group, bucket)
-
-        model.register_comm_hook(None, traced_allreduce)
-    elif parallel == "fsdp":
-        class TracedReduceScatter(DefaultReduceScatter):
-            def __call__(self, *args, **kwargs):
-                _trace("reduce")
-                return super().__call__(*args, **kwargs)
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(TracedReduceScatter())
