@@ -368,7 +368,7 @@ def table(shapes: dict[str, int], impls, res: dict, base: Run, peak: float | Non
     return lines
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, eager configurations only")
@@ -382,7 +382,11 @@ def main() -> None:
     p.add_argument("--loss", default="auto", choices=["auto", "full", "chunked"],
                    help="lmforge's train.loss")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     if a.worker:
         print(json.dumps(worker(Run(**json.loads(a.worker)))))
         return

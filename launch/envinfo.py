@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from launch.cli import ArgumentParser
 from pipeline import attention, hardware
+from pipeline.config import ConfigError
 from pipeline.loss import resolve_loss
 from pipeline.parallelize import resolve_compile
 
@@ -67,7 +68,10 @@ def cpu() -> dict:
     from pipeline.cpu.machine import cpu_capability, cpu_flags, cpu_model, native_bf16
 
     flags = cpu_flags()
-    native, why = native_bf16()
+    try:
+        native, why = native_bf16()
+    except ValueError as e:  # a bad LMFORGE_CPU_BF16
+        raise ConfigError(str(e)) from None
     return {
         "model": cpu_model(), "capability": cpu_capability(),
         "avx2": "avx2" in flags, "avx512": "avx512f" in flags, "amx": "amx_tile" in flags,

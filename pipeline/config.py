@@ -67,32 +67,27 @@ class TrainConfig:
     lowered so that training with its evals, samples and checkpoints fits (pipeline/budget.py);
     the chosen length is then written to the run's config.toml with the budget off."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """Compute dtype; master weights and optimizer state stay fp32 either way. auto = bf16 on
-    GPUs with bf16 tensor cores and on CPUs with bf16 in hardware (AVX512-BF16 or AMX flags; set
-    LMFORGE_CPU_BF16=native|emulated to override), else fp32: a CPU without them emulates bf16
-    hundreds of times slower than fp32."""
+    """Compute dtype; master weights and optimizer state stay fp32. auto = bf16 on GPUs with bf16
+    tensor cores and on CPUs with AVX512-BF16/AMX (LMFORGE_CPU_BF16=native|emulated overrides),
+    else fp32: other CPUs emulate bf16 hundreds of times slower."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the forward with its loss; auto = on for CUDA, off for CPU (a cold CPU
-    compile costs more than a demo-sized run gains). The resolved choice is saved in the run's
-    config, so a resumed run compiles as the run it continues."""
+    compile costs more than a demo-sized run gains). Kept on resume, as attention and loss."""
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     """Attention kernel: sdpa (F.scaled_dot_product_attention: flash, O(T) memory) or eager
-    (matmul, softmax, matmul by blocks of queries, each only up to its causal edge). auto = sdpa,
-    except eager on a CPU computing in bf16 at data.seq_len <= 512, where the CPU flash kernel is
-    slow (pipeline/attention.py). Kept on resume."""
+    (matmul, softmax, matmul by causal query blocks). auto = sdpa, except eager on a CPU in bf16
+    at data.seq_len <= 512, where the CPU flash kernel is slow (pipeline/attention.py)."""
     loss: Literal["auto", "full", "chunked"] = "auto"
-    """LM-head loss: full (whole logits + F.cross_entropy, compiled with the model, as nanoGPT,
-    nanochat and torchtitan) or chunked (by chunks of tokens: memory O(chunk x vocab), for large
-    vocabularies and long contexts). auto = full on CUDA unless a micro-batch's logits pass 2^30
-    elements, chunked on CPU (pipeline/loss.py). Kept on resume."""
+    """LM-head loss: full (whole logits + F.cross_entropy, as nanoGPT and torchtitan) or chunked
+    (memory O(chunk x vocab)). auto = full on CUDA unless a micro-batch's logits pass 2^30
+    elements, chunked on CPU (pipeline/loss.py)."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
     ddp_bucket_mb: float = 25.0
-    """DDP's gradient bucket size in MiB (torch's default): each bucket's all-reduce starts as
-    soon as its gradients are ready, overlapping the rest of the backward; compiled, the model is
-    split into one graph region per bucket."""
+    """DDP's gradient bucket in MiB (torch's default): each bucket's all-reduce overlaps the rest
+    of the backward; compiled, the model is split into one graph region per bucket."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass: less memory, ~1/3 more compute."""
     max_bad_steps: int = 3
@@ -289,8 +284,7 @@ def validate(cfg: JobConfig) -> None:
     need(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1")
     need(t.max_steps >= 1, "train.max_steps", ">= 1")
     need(t.max_bad_steps >= 1, "train.max_bad_steps", ">= 1")
-    # torch's first DDP bucket is 1 MiB, and a compiled DDP model asserts none is larger.
-    need(1 <= t.ddp_bucket_mb < math.inf, "train.ddp_bucket_mb", "MiB >= 1, e.g. 25")
+    need(1 <= t.ddp_bucket_mb < math.inf, "train.ddp_bucket_mb", "MiB >= 1 (compiled DDP's least)")
     need(0 <= t.time_budget_s < math.inf, "train.time_budget_s", "seconds >= 0; 0 = off")
     # The budget is measured inside the warmup, where the schedule does not depend on max_steps.
     need(t.time_budget_s == 0 or o.warmup_steps >= CALIBRATION_STEPS, "optim.warmup_steps",

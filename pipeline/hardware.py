@@ -137,19 +137,6 @@ def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
     return None, f"no peak FLOP/s known for '{name}'; MFU is not reported"
 
 
-def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
-    name = torch.cuda.get_device_name(device)
-    if dtype in (torch.bfloat16, torch.float16):
-        kind = "bf16"
-    else:  # fp32 matmuls run on tensor cores as TF32 unless the precision is "highest"
-        kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    for pattern, label, peaks in GPU_PEAKS:
-        if re.search(pattern, name):
-            return peaks[kind], (f"MFU relative to the {label} dense {kind} peak, "
-                                 f"{peaks[kind] / 1e12:.0f} TFLOP/s")
-    return None, f"no peak FLOP/s known for '{name}'; MFU is not reported"
-
-
 @functools.cache
 def _peak(device_type: str, index: int | None, dtype: torch.dtype,
           precision: str) -> tuple[float | None, str]:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bench.runs import ROOT, run
 from model import GPT, ModelConfig
-from pipeline.loss import EAGER_LOSS
+from pipeline.loss import CHUNK_ELEMS, ChunkedLoss
 from pipeline.materialize import meta_gpt
-from pipeline.plan import activation_bytes, state_bytes
+from pipeline.plan import activation_bytes, head_loss_bytes, planned_loss, state_bytes
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
 
@@ -92,7 +93,7 @@ def saved_for_backward(model: GPT, batch: int, bf16: bool) -> int:
     x = torch.randint(0, SMALL.vocab_size, (batch, SMALL.max_seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            model(x, x, reduction="sum", loss_fn=EAGER_LOSS)  # training's loss, not the full logits
+            model(x, x, reduction="sum", loss_fn=ChunkedLoss())  # the CPU run's loss: no logits kept
     return sum(storages.values())
 
 
@@ -106,6 +107,26 @@ def test_activation_estimate_within_25_percent(mlp, bf16):
     assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
 
 
+def test_head_loss_bytes_follow_the_loss_a_gpu_run_resolves():
+    """full: the logits in the compute dtype, their fp32 copy and log-probabilities; chunked: two
+    fp32 chunk x V buffers (chunks within CUDA's CHUNK_ELEMS) and the head's fp32 gradient."""
+    from pipeline.config import DataConfig, JobConfig, TrainConfig
+
+    model = meta_gpt(SMALL)
+    V, D = SMALL.padded_vocab_size, SMALL.d_model
+    assert head_loss_bytes(model, 512, "full", bf16=True) == 512 * V * (2 + 8)
+    assert head_loss_bytes(model, 512, "full", bf16=False) == 512 * V * (4 + 8)
+    assert head_loss_bytes(model, 512, "chunked", bf16=True) == 8 * 512 * V + 4 * V * D
+    many = 4 * CHUNK_ELEMS["cuda"] // V  # four chunks' worth: only one chunk is held
+    assert head_loss_bytes(model, many, "chunked", bf16=True) == 8 * (many // 4) * V + 4 * V * D
+    cfg = JobConfig(data=DataConfig(seq_len=64), train=TrainConfig(micro_batch_size=8))
+    assert planned_loss(cfg, SMALL) == "full"  # auto, as on a GPU
+    assert planned_loss(replace(cfg, train=replace(cfg.train, loss="chunked")), SMALL) == "chunked"
+    # 2^15 x 64 tokens x 1,024 columns: 2^31 logits, past what auto keeps whole on a GPU.
+    huge_batch = replace(cfg, train=replace(cfg.train, micro_batch_size=2**15))
+    assert planned_loss(huge_batch, SMALL) == "chunked"
+
+
 def test_dry_run_plans_without_starting_anything():
     res = run([sys.executable, "-m", "launch.cli", "train", "--nproc", "8", "--nnodes", "4",
                "--config", "configs/llama_350m.toml", "--dry-run", "--gpu", "H100",
@@ -113,6 +134,7 @@ def test_dry_run_plans_without_starting_anything():
     assert res.returncode == 0, res.stdout[-3000:]
     assert "4 node(s) x 8 H100 SXM = 32 GPUs" in res.stdout
     assert "FSDP2" in res.stdout and "s/step" in res.stdout
+    assert "LM-head loss (full)" in res.stdout  # train.loss = auto, resolved for the GPUs
     bad = run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/tiny.toml",
                "--dry-run", "--gpu", "Z80"], timeout=120)
     assert bad.returncode == 2 and "error: --gpu: unknown GPU 'Z80'" in bad.stdout

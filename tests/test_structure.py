@@ -180,9 +180,11 @@ class _SyncRecorder(nn.Module):
     ("none", []),
 ])
 def test_micro_step_is_scoped_and_restores_syncing_even_on_error(mode, skipped):
+    from model.model import cross_entropy
     from pipeline.parallelize import ParallelModel, Precision
 
-    pm = ParallelModel(_SyncRecorder(), mode, Precision(torch.float32, torch.device("cpu")))
+    pm = ParallelModel(_SyncRecorder(), mode, Precision(torch.float32, torch.device("cpu")),
+                       cross_entropy)
     with pytest.raises(RuntimeError, match="inside"), pm.micro_step(sync=False):
         assert pm.module.calls == skipped[:1]  # in force for the forward, not only the backward
         raise RuntimeError("inside")

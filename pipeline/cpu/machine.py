@@ -34,7 +34,8 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> set[str]:
-    return set((_cpuinfo("flags") or "").split())
+    # x86 names them "flags", Arm "Features".
+    return set((_cpuinfo("flags") or _cpuinfo("Features") or "").split())
 
 
 def cpu_capability() -> str:
