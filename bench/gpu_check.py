@@ -35,9 +35,9 @@ import torch
 from bench import runs as lu
 from bench.common import GPT2_VOCAB, ROOT
 from bench.train_bench import Run, training_step
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.hardware import configure_cuda, dtype_name, matmul_peak, resolve_dtype
-from pipeline.materialize import meta_gpt
-from pipeline.run_dir import RunDir
+from pipeline.parallel.materialize import meta_gpt
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
 # themselves) agree to ~1e-3 early on and drift slowly; a real bug is off by far more.

@@ -96,11 +96,11 @@ def build_lmforge(r: Run, device):
     from model import GPT
     from pipeline import attention
     from pipeline.config import OptimConfig
-    from pipeline.distributed import DistInfo
     from pipeline.hardware import DTYPES
     from pipeline.loss import resolve_loss
-    from pipeline.optim import build_optimizer
-    from pipeline.parallelize import Precision, parallelize
+    from pipeline.optim.optimizers import build_optimizer
+    from pipeline.parallel.distributed import DistInfo
+    from pipeline.parallel.parallelize import Precision, parallelize
 
     info = DistInfo(0, 0, 1, device)
     model = GPT(r.model_config()).to(device)
@@ -114,12 +114,12 @@ def build_lmforge(r: Run, device):
 
 def training_step(r: Run):
     """The step every configuration runs, as a function of no arguments on a fixed random batch:
-    forward + mean cross-entropy (in pipeline.parallelize.Precision's autocast: bf16 autocast
+    forward + mean cross-entropy (in pipeline.parallel.parallelize.Precision's autocast: bf16 autocast
     over fp32 weights when r.dtype is bf16), backward, gradient clipping at 1.0, AdamW."""
     import torch
 
     from pipeline.hardware import DTYPES, configure_cuda
-    from pipeline.parallelize import Precision
+    from pipeline.parallel.parallelize import Precision
 
     device = torch.device(r.device)
     if device.type == "cuda":

@@ -23,7 +23,7 @@ from launch.cli import ArgumentParser
 from pipeline import attention, hardware
 from pipeline.config import ConfigError
 from pipeline.loss import resolve_loss
-from pipeline.parallelize import resolve_compile
+from pipeline.parallel.parallelize import resolve_compile
 
 # configs/tiny.toml's shape with the demo's 4096-id BPE: what the rules are stated for.
 DEMO_VOCAB, DEMO_SEQ_LEN, DEMO_BATCH = 4096, 256, 8

@@ -25,14 +25,14 @@ from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_b
 from launch.cli import ArgumentParser
 from pipeline import attention
 from pipeline.config import ConfigError
-from pipeline.distributed import DistInfo, distributed
+from pipeline.data.windows import TokenWindows
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
 from pipeline.hardware import dtype_name
 from pipeline.inference import LoadedCheckpoint, load_for_inference
 from pipeline.loss import build_loss, resolve_loss
-from pipeline.parallelize import Precision
+from pipeline.parallel.distributed import DistInfo, distributed
+from pipeline.parallel.parallelize import Precision
 from pipeline.typed_config import number
-from pipeline.windows import TokenWindows
 
 FSDP_BF16_REL_TOL = 5e-4
 """How far a bf16 FSDP run's logged val loss may lie from this eval's: the norm gains rounded to

@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
-from pipeline.data_config import (  # noqa: F401 - the data section's types, re-exported
+from pipeline.checkpoint.run_dir import RunDir
+from pipeline.data.config import (  # noqa: F401 - the data section's types, re-exported
     DATA_KEYS,
     DataConfig,
     PhaseConfig,
@@ -32,7 +33,6 @@ from pipeline.data_config import (  # noqa: F401 - the data section's types, re-
     phase_start,
     validate_data,
 )
-from pipeline.run_dir import RunDir
 from pipeline.typed_config import (  # noqa: F401 - ConfigError, parse_overrides: re-exported
     ConfigError,
     apply_overrides,
@@ -99,7 +99,7 @@ class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
     """adamw: AdamW for every parameter. muon: torch.optim.Muon for the transformer blocks'
     matrices (at muon_lr), AdamW for the token embedding / LM head and the norms (at lr). Under
-    fsdp each matrix is orthogonalised whole by one rank (pipeline/muon.py)."""
+    fsdp each matrix is orthogonalised whole by one rank (pipeline/optim/muon.py)."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of the warmup (with muon: the AdamW groups')."""
     min_lr_ratio: float = 0.1

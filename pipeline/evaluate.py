@@ -22,10 +22,10 @@ from torch import nn
 
 from model.model import IGNORE_INDEX
 from pipeline.attention import Attend
-from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.data.windows import TokenWindows
 from pipeline.loss import HeadLoss
-from pipeline.parallelize import Precision
-from pipeline.windows import TokenWindows
+from pipeline.parallel.distributed import DistInfo, all_reduce_sum
+from pipeline.parallel.parallelize import Precision
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from data_prep.shards import load_manifest
 from data_prep.tokenizer import dataset_tokenizer, encode_prompt, eot_id, token_byte_lengths
 from model import GPT, ModelConfig, generate
 from pipeline import attention, budget
-from pipeline import checkpoint as ckpt
-from pipeline.async_checkpoint import Checkpointer
+from pipeline.checkpoint import format as ckpt
+from pipeline.checkpoint.async_writer import Checkpointer
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import (
     ConfigError,
     DataConfig,
@@ -35,15 +36,15 @@ from pipeline.config import (
     describe,
     save_resolved,
 )
-from pipeline.data import TrainLoader
-from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.data.loader import TrainLoader
+from pipeline.data.mixture import ValSet, is_mixture, train_sources, val_sets
 from pipeline.evaluate import evaluate
 from pipeline.hardware import dtype_name, peak_flops, to_device
-from pipeline.materialize import meta_gpt
 from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
-from pipeline.mixture import ValSet, is_mixture, train_sources, val_sets
-from pipeline.optim import apply_schedule, build_optimizer
-from pipeline.parallelize import (
+from pipeline.optim.optimizers import apply_schedule, build_optimizer
+from pipeline.parallel.distributed import DistInfo, all_reduce_sum
+from pipeline.parallel.materialize import meta_gpt
+from pipeline.parallel.parallelize import (
     ParallelModel,
     Precision,
     RecompileWatch,
@@ -51,7 +52,6 @@ from pipeline.parallelize import (
     resolve_choices,
     resolve_parallel,
 )
-from pipeline.run_dir import RunDir
 
 log = get_logger()
 
@@ -148,7 +148,7 @@ class Trainer:
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
         self.sample_precision = Precision.resolve(cfg.train.dtype, info.device, "sample")
-        self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/materialize.py)
+        self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/parallel/materialize.py)
         self._resolve_choices(None if resume_meta is None else resume_meta.config)
         self.parallel = build_parallel(self.model, self.cfg.train, self.precision, info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
@@ -256,7 +256,7 @@ class Trainer:
 
     def run_eval(self, n_batches: int | None = None) -> dict:
         """val_loss/ppl/bpb; of a mixture, per source (val_loss/NAME, val_bpb/NAME) and the
-        sources' weighted mean (see pipeline/mixture.py)."""
+        sources' weighted mean (see pipeline/data/mixture.py)."""
         record, means = {}, {"val_loss": 0.0, "val_bpb": 0.0}
         total = sum(v.weight for v in self.data.val)
         for v in self.data.val:

@@ -20,7 +20,7 @@ SCRIPT = """
 import ctypes, resource, sys, torch
 from pipeline.config import OptimConfig
 from pipeline.cpu.allocator import set_cpu_allocator
-from pipeline.optim import build_optimizer
+from pipeline.optim.optimizers import build_optimizer
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -13,7 +13,7 @@ from model import GPT, ModelConfig
 from pipeline import attention
 from pipeline.config import load_config
 from pipeline.cpu import attention as eager
-from pipeline.distributed import DistInfo
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 from tests.test_train import cfg_for
 

@@ -272,7 +272,7 @@ def test_the_loss_compiled_alone_equals_eager_without_recompiles(reduction):
     """build_loss(compile_alone=True): FSDP2's compiled loss region (the whole model compiled
     with the loss in its graph: tests/test_compile.py). Several chunks, the last one short;
     training's call and eval's (no grad) each build one graph, and a second call none."""
-    from pipeline.parallelize import compiled_graphs
+    from pipeline.parallel.parallelize import compiled_graphs
 
     torch._dynamo.reset()
     loss_fn = torch.compile(ChunkedLoss(10), dynamic=False)
@@ -325,7 +325,7 @@ def dist_worker(out_path: str) -> None:
     compiled DDP / FSDP2 (whole model with the chunked loss in its graph / per-block units and
     the loss compiled alone); rank 0 writes the largest differences from the plain
     single-process path."""
-    from pipeline.distributed import distributed
+    from pipeline.parallel.distributed import distributed
 
     with distributed("cpu") as info:
         out = dist_results(info)
@@ -339,7 +339,7 @@ def dist_results(info) -> dict:
 
     from torch.distributed.tensor import DTensor
 
-    from pipeline.parallelize import Precision, parallelize
+    from pipeline.parallel.parallelize import Precision, parallelize
 
     cfg = tiny()
     idx_BT, targets_BT = batch(4, 32)

@@ -1,7 +1,7 @@
-"""torch.compile of the forward with its loss in the graph (pipeline.parallelize): same numbers as
+"""torch.compile of the forward with its loss in the graph (pipeline.parallel.parallelize): same numbers as
 eager with either loss (full, chunked), same parameter names, no recompile across train -> eval
 -> train; and the static rules of train.compile, .attention and .loss = auto as a run resolves
-them (pipeline.parallelize.resolve_choices), a resumed run keeping the choices it started with.
+them (pipeline.parallel.parallelize.resolve_choices), a resumed run keeping the choices it started with.
 
 A cold compile costs 25-35 s on a 2-core CPU, so the whole-model case is one compact test."""
 
@@ -16,10 +16,10 @@ import torch
 from model import GPT, ModelConfig
 from model.model import cross_entropy
 from pipeline import attention
-from pipeline import parallelize as par
 from pipeline.config import TrainConfig
-from pipeline.distributed import DistInfo
 from pipeline.loss import FULL_LOGITS_MAX_ELEMS, ChunkedLoss
+from pipeline.parallel import parallelize as par
+from pipeline.parallel.distributed import DistInfo
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)

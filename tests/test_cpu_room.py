@@ -62,8 +62,8 @@ from model import GPT, ModelConfig
 from pipeline import attention
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.loss import build_loss
-from pipeline.optim import build_optimizer
-from pipeline.parallelize import resolve_choices
+from pipeline.optim.optimizers import build_optimizer
+from pipeline.parallel.parallelize import resolve_choices
 import launch.train, launch.evaluate, launch.sample, pipeline.train, pipeline.inference
 device, dtype = torch.device(sys.argv[1]), getattr(torch, sys.argv[2])
 t = resolve_choices(TrainConfig(), device, dtype, 256, 50304)

@@ -30,8 +30,8 @@ from data_prep.shards import (
     write_shard,
 )
 from model.model import IGNORE_INDEX
-from pipeline.data import Source, TokenWindows, TrainLoader
-from pipeline.rows import DocRows
+from pipeline.data.loader import Source, TokenWindows, TrainLoader
+from pipeline.data.rows import DocRows
 
 EOT, VOCAB, SEQ = 0, 1000, 16
 
@@ -120,7 +120,7 @@ def test_loader_rows_carry_padding_as_ignored_targets(tmp_path):
 def test_inspect_json_equals_the_trainers_loader(tiny_data, tmp_path):
     from launch.train import parse_args
     from pipeline.config import load_config
-    from pipeline.distributed import DistInfo
+    from pipeline.parallel.distributed import DistInfo
     from pipeline.train import Trainer
 
     other = tmp_path / "other"

@@ -1,4 +1,4 @@
-"""`--dry-run` planning (pipeline/plan.py) checked against real runs on CPU.
+"""`--dry-run` planning (pipeline/parallel/plan.py) checked against real runs on CPU.
 
 Parameter, gradient and AdamW bytes must equal the tensors of a real run exactly, one process and
 FSDP2 on 2 gloo ranks (this file, run under torchrun, is the probe). Activations are compared with
@@ -19,8 +19,8 @@ import torch
 from bench.runs import ROOT, run
 from model import GPT, ModelConfig
 from pipeline.loss import CHUNK_ELEMS, ChunkedLoss
-from pipeline.materialize import meta_gpt
-from pipeline.plan import activation_bytes, head_loss_bytes, planned_loss, state_bytes
+from pipeline.parallel.materialize import meta_gpt
+from pipeline.parallel.plan import activation_bytes, head_loss_bytes, planned_loss, state_bytes
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
 
@@ -54,7 +54,7 @@ def test_state_bytes_equal_a_real_single_process_run():
 def test_muon_state_bytes_equal_a_real_run():
     """optim.name = "muon": one momentum per block matrix, AdamW's two moments + step elsewhere."""
     from pipeline.config import OptimConfig
-    from pipeline.optim import build_optimizer, is_muon_matrix
+    from pipeline.optim.optimizers import build_optimizer, is_muon_matrix
 
     torch.manual_seed(0)
     model = GPT(SMALL)
@@ -144,8 +144,8 @@ def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
     """FSDP2 + Muon: each matrix Muon owns is gathered whole (fp32) and scattered back per step;
     nothing extra for AdamW, DDP (every rank has whole matrices) or one process."""
     from pipeline.config import JobConfig, OptimConfig
-    from pipeline.optim import build_optimizer
-    from pipeline.plan import strategies
+    from pipeline.optim.optimizers import build_optimizer
+    from pipeline.parallel.plan import strategies
 
     cfg = JobConfig(optim=OptimConfig(name="muon"))
     model = meta_gpt(SMALL)
@@ -161,7 +161,7 @@ def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
 def _fsdp_probe() -> None:
     """Under torchrun: shard SMALL with FSDP2 on gloo, one AdamW step, print this rank's bytes
     (inside the pipeline's process-group lifetime, which frees the model before the group)."""
-    from pipeline.distributed import distributed
+    from pipeline.parallel.distributed import distributed
 
     with distributed("cpu") as info:
         _print_rank_bytes(info.rank)

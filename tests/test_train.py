@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from bench.runs import TINY_ARGS, losses, metrics, run
-from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import format as ckpt
 from pipeline.config import OptimConfig, load_config
-from pipeline.distributed import DistInfo
 from pipeline.inference import load_for_inference
-from pipeline.optim import lr_at
+from pipeline.optim.optimizers import lr_at
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer, TrainingStopped
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -124,7 +124,7 @@ def test_dry_run_prints_resolved_config(tmp_path):
 
 @pytest.mark.slow
 def test_compiled_training_matches_eager(tiny_data, tmp_path):
-    """...and train.compile = auto on CPU runs eager (pipeline.parallelize.resolve_compile),
+    """...and train.compile = auto on CPU runs eager (pipeline.parallel.parallelize.resolve_compile),
     which the run's config records as resolved."""
     Trainer(cfg_for(tiny_data, tmp_path / "eager", "--train.max_steps", "6"), CPU).fit()
     Trainer(cfg_for(tiny_data, tmp_path / "comp", "--train.max_steps", "6", "--train.compile", "on"), CPU).fit()

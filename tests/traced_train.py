@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from pipeline.parallelize import ParallelModel
+from pipeline.parallel.parallelize import ParallelModel
 
 PREFIX = os.environ["LMFORGE_TRACE_GRAD_SYNC"]
 _TRACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()

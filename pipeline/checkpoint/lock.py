@@ -1,4 +1,4 @@
-"""One writer per run directory: RUN/lock (pipeline.run_dir) names the process training into it.
+"""One writer per run directory: RUN/lock (pipeline.checkpoint.run_dir) names the process training into it.
 
 A second `lmforge train` into a run directory whose writer still runs is refused in one line:
 two writers would interleave metrics.jsonl and delete each other's checkpoints by keep-K (a
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from data_prep.errors import DataError
 from data_prep.shards import check_dir_path
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.metrics import get_logger
-from pipeline.run_dir import RunDir
 from pipeline.typed_config import ConfigError
 
 

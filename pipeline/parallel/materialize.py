@@ -1,6 +1,6 @@
 """The model is built on the meta device (shapes, no memory), sharded, and only then allocated
 and initialised, so under FSDP2 no rank ever holds the whole model: `meta_gpt`, then
-`materialize` once the parallelism is applied (pipeline.parallelize does both in order).
+`materialize` once the parallelism is applied (pipeline.parallel.parallelize does both in order).
 
 The initial weights do not depend on the world size or the parallelism: torch's CPU generator is
 seeded with train.seed and GPT.init_weights draws every tensor from it in its fixed order, as one

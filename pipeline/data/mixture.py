@@ -16,12 +16,12 @@ import torch
 from data_prep.errors import DataError
 from data_prep.shards import Manifest, load_manifest
 from pipeline.config import DataConfig, EvalConfig, SourceConfig, phase_start
-from pipeline.data import Phase, Source
-from pipeline.data_config import named
+from pipeline.data.config import named
+from pipeline.data.loader import Phase, Source
+from pipeline.data.rows import build_rows
+from pipeline.data.windows import TokenWindows
 from pipeline.evaluate import eval_batches
 from pipeline.metrics import get_logger
-from pipeline.rows import build_rows
-from pipeline.windows import TokenWindows
 
 log = get_logger()
 

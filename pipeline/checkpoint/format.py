@@ -1,6 +1,6 @@
 """The checkpoint format: defined here once, versioned, validated on read.
 
-A checkpoint (RUN/checkpoints/step_00000100/ of the run directory, pipeline.run_dir) holds:
+A checkpoint (RUN/checkpoints/step_00000100/ of the run directory, pipeline.checkpoint.run_dir) holds:
 
     meta.json                 written last: CheckpointMeta (format, version, step, model, job
                               config, lineage, loader position, counters)
@@ -20,7 +20,7 @@ Every checkpoint carries its tokenizer, so a single directory is enough to evalu
 than the newest (a rollback) moves the newer ones, and a final/ export past that step, aside into
 checkpoints/abandoned/, so keep-K, `--resume auto` and `--ckpt RUN` never pick the abandoned branch.
 Opening someone else's checkpoint can neither run code nor read outside it: DCP is read through
-pipeline.safe_dcp, tensors and RNG states with weights_only=True, meta.json as typed JSON, and
+pipeline.checkpoint.safe_dcp, tensors and RNG states with weights_only=True, meta.json as typed JSON, and
 no file of a checkpoint is ever copied through a symbolic link.
 """
 
@@ -47,11 +47,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from data_prep.shards import copy_plain_tree
 from model import ModelConfig
+from pipeline.checkpoint.run_dir import RunDir
+from pipeline.checkpoint.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
 from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_dict
-from pipeline.distributed import DistInfo, barrier
 from pipeline.metrics import get_logger
-from pipeline.run_dir import RunDir
-from pipeline.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
+from pipeline.parallel.distributed import DistInfo, barrier
 
 FORMAT = "lmforge-checkpoint"
 VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
@@ -79,7 +79,7 @@ class CheckpointMeta:
     parent_step: int | None = None  # the step this process resumed from; None: started fresh
     world_size: int = 1  # ranks that wrote it
     bad_steps: int = 0  # consecutive non-finite steps so far
-    loader: dict | None = None  # the loader's state (pipeline.data); None in a final/ export
+    loader: dict | None = None  # the loader's state (pipeline.data.loader); None in a final/ export
     # The step's training record: the last step saves before logging it, so a kill in between
     # loses nothing (resume writes it back). Optional: checkpoints without it still read.
     record: dict | None = None
@@ -277,7 +277,7 @@ def save_training(
     keep: int,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory.
-    (pipeline/async_checkpoint.py runs the same three phases with the write in the background.)"""
+    (pipeline/checkpoint/async_writer.py runs the same three phases with the write in the background.)"""
     tmp, final = begin_save(run_dir, meta.step, info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with single_process_ok():

@@ -32,10 +32,10 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from pipeline import checkpoint as ckpt
-from pipeline.distributed import DistInfo
+from pipeline.checkpoint import format as ckpt
+from pipeline.checkpoint.safe_dcp import SINGLE_PROCESS_WARNING
 from pipeline.metrics import get_logger
-from pipeline.safe_dcp import SINGLE_PROCESS_WARNING
+from pipeline.parallel.distributed import DistInfo
 
 log = get_logger()
 

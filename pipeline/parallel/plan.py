@@ -5,13 +5,13 @@ state (what `tests/test_plan.py` checks exactly against a real run's tensors), t
 micro-batch keeps for backward (with and without activation checkpointing), whether it fits the
 GPU, the bytes each optimizer step moves between GPUs, and the step time an assumed MFU implies.
 
-Conventions, all as `pipeline.parallelize` builds the run:
+Conventions, all as `pipeline.parallel.parallelize` builds the run:
 - master weights, gradients and both AdamW moments are fp32 (4 bytes each), plus one fp32 `step`
   scalar per parameter tensor;
 - FSDP2 shards every parameter on dim 0 in world-size chunks of ceil(rows / world) (rank 0 holds
   the most); with bf16 compute it all-gathers bf16 copies per block for forward and again for
   backward, and reduce-scatters fp32 gradients once per optimizer step; with Muon, each block
-  matrix's fp32 update is gathered whole to one rank and scattered back (pipeline/muon.py);
+  matrix's fp32 update is gathered whole to one rank and scattered back (pipeline/optim/muon.py);
 - DDP all-reduces fp32 gradients once per optimizer step; under bf16 autocast it keeps bf16
   copies of the weights from forward to backward.
 """
@@ -30,8 +30,8 @@ from model import GPT, ModelConfig
 from pipeline.config import ConfigError, JobConfig, derive
 from pipeline.hardware import GPU_PEAKS, gpu_dtype  # the datasheet table, kept in one place
 from pipeline.loss import CHUNK_ELEMS, chunk_tokens, resolve_loss
-from pipeline.materialize import meta_gpt
-from pipeline.optim import is_muon_matrix
+from pipeline.optim.optimizers import is_muon_matrix
+from pipeline.parallel.materialize import meta_gpt
 
 FP32, BF16 = 4, 2
 GiB = 2**30

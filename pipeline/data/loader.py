@@ -1,7 +1,7 @@
 """The training loader: rows of one prepared split, or a weighted mixture of several, in a
 seeded global order.
 
-A split's windows are pipeline.windows.TokenWindows (the split read as one token stream).
+A split's windows are pipeline.data.windows.TokenWindows (the split read as one token stream).
 
 The order is global, not per rank: each epoch is one permutation of all windows, seeded by
 (seed, epoch), and every optimizer step consumes the next G = micro_batch_size *
@@ -13,7 +13,7 @@ and the loader state (epoch, windows consumed) resumes on any world size. When f
 windows are left in an epoch, that tail is dropped and the next epoch starts (its permutation puts
 those windows elsewhere), so no window is read twice within an epoch.
 
-The rows are stream windows (data.align = stream) or document-aligned rows (doc, pipeline/rows.py),
+The rows are stream windows (data.align = stream) or document-aligned rows (doc, pipeline/data/rows.py),
 and a mixture (data.sources) keeps that order per source: each row of a step is drawn from a
 source by the weights of the step's phase, from a generator seeded by (seed, step) alone, and
 takes that source's next row. Each source has its own epochs and permutations; the state holds
@@ -32,10 +32,10 @@ import torch
 
 from data_prep.errors import DataError
 from model.model import IGNORE_INDEX
-from pipeline.data_config import phase_start
+from pipeline.data.config import phase_start
+from pipeline.data.rows import StreamRows
+from pipeline.data.windows import TokenWindows
 from pipeline.metrics import get_logger
-from pipeline.rows import StreamRows
-from pipeline.windows import TokenWindows
 
 log = get_logger()
 
@@ -50,7 +50,7 @@ class Source:
     """One source of a mixture: its name (in metrics), rows and the key of its permutations."""
 
     name: str
-    rows: Any  # pipeline.rows.StreamRows | DocRows
+    rows: Any  # pipeline.data.rows.StreamRows | DocRows
     key: tuple[int, ...] = ()  # () for one directory: the permutations of lmforge before mixtures
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 A mixture names each source once (path, weight, name) and may change during the run by phases
 (`[[data.phases]] from_step = 0.9` with its own sources, e.g. an annealing mix); the loader
-(pipeline/mixture.py) draws each step's rows by the weights of the phase the step is in.
+(pipeline/data/mixture.py) draws each step's rows by the weights of the phase the step is in.
 pipeline.config re-exports these types and calls `validate_data` from its one `validate`.
 """
 

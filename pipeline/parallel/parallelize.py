@@ -28,11 +28,11 @@ from model import GPT
 from pipeline import attention
 from pipeline.attention import Attend
 from pipeline.config import TrainConfig
-from pipeline.distributed import DistInfo
 from pipeline.hardware import resolve_dtype
 from pipeline.loss import HeadLoss, build_loss, resolve_loss
-from pipeline.materialize import materialize
 from pipeline.metrics import get_logger
+from pipeline.parallel.distributed import DistInfo
+from pipeline.parallel.materialize import materialize
 
 log = get_logger()
 

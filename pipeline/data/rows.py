@@ -24,8 +24,8 @@ import numpy as np
 
 from data_prep.errors import DataError
 from data_prep.shards import read_doc_index, write_doc_index
+from pipeline.data.windows import TokenWindows
 from pipeline.metrics import get_logger
-from pipeline.windows import TokenWindows
 
 log = get_logger()
 

@@ -1,7 +1,7 @@
 """The run directory's layout, defined here once (the checkpoint format inside it is
-pipeline.checkpoint's):
+pipeline.checkpoint.format's):
 
-    RUN/lock                             the one run writing here (pipeline.runlock)
+    RUN/lock                             the one run writing here (pipeline.checkpoint.lock)
     RUN/config.toml                      the resolved config (pipeline.config.save_resolved)
     RUN/train.log                        rank 0's log (pipeline.metrics)
     RUN/metrics.jsonl, RUN/loss.png      one JSON line per logged step; the loss curve

@@ -5,7 +5,7 @@ optim.name = "muon": torch.optim.Muon for the transformer blocks' 2-D matrices, 
 optim.lr) for the tied token embedding / LM head and the norm gains. Muon replaces each matrix's
 momentum by the nearest semi-orthogonal matrix (Newton–Schulz), so every direction of the update
 moves at the same rate; embeddings (a lookup, not a linear map of the residual stream) and 1-D
-gains keep Adam. Muon itself is pipeline/muon.py (whole matrices, or FSDP2 shards). Both are
+gains keep Adam. Muon itself is pipeline/optim/muon.py (whole matrices, or FSDP2 shards). Both are
 stepped as one `Optimizers`, which DCP's get_state_dict/set_state_dict take as an iterable of
 optimizers, so a checkpoint holds (and resumes) both states.
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from pipeline.config import OptimConfig, wsd_decay_steps
-from pipeline.muon import Muon
+from pipeline.optim.muon import Muon
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
@@ -47,7 +47,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
 
 def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
     """On CPU, a whole replica's steps reuse their freed buffers from the first step's end on
-    (pipeline.cpu.allocator); FSDP2's shards give theirs back (pipeline.parallelize)."""
+    (pipeline.cpu.allocator); FSDP2's shards give theirs back (pipeline.parallel.parallelize)."""
     if torch.device(device).type == "cpu" and not isinstance(model, FSDPModule):
         from pipeline.cpu.allocator import keep_freed_blocks_after_first_step  # the CPU room
 
