@@ -17,7 +17,7 @@ from data_prep.errors import DataError
 from data_prep.shards import Manifest, load_manifest
 from pipeline.config import DataConfig, EvalConfig, SourceConfig, phase_start
 from pipeline.data import Phase, Source
-from pipeline.data_config import named
+from pipeline.data_config import named, weights
 from pipeline.evaluate import eval_batches
 from pipeline.metrics import get_logger
 from pipeline.rows import build_rows
@@ -80,11 +80,6 @@ def train_sources(d: DataConfig, vocab_size: int) -> tuple[list[Source], list[Ph
     phases = [Phase(0.0, weights(d.mixture()))]
     phases += [Phase(p.from_step, weights(named(p.sources))) for p in d.phases]
     return sources, phases
-
-
-def weights(sources: list[SourceConfig]) -> dict[str, float]:
-    total = sum(s.weight for s in sources)
-    return {s.name: s.weight / total for s in sources}
 
 
 def val_sets(d: DataConfig, e: EvalConfig, vocab_size: int, rank: int,
