@@ -11,7 +11,9 @@ directory, which nothing picks: a crash or SIGKILL mid-write leaves the previous
 newest complete one.
 
 At most one save is in flight: the next waits for it. `wait` (the last step, SIGTERM) blocks until
-it is complete. A failed background write raises CheckpointError: one error line, the run stops.
+it is complete. A failed write, in the background or not, removes its `.tmp` and raises
+CheckpointError: one error line (for a full disk: the space free, the space a checkpoint needs,
+and the last complete checkpoint), the run stops.
 The background write's collectives run on a gloo group of their own, so that they never
 interleave with the training step's collectives on the default group (and async_save needs a CPU
 backend, which an nccl run's default group lacks).
@@ -19,7 +21,9 @@ backend, which an nccl run's default group lacks).
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 import warnings
 from concurrent.futures import Future
@@ -34,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from pipeline.checkpoint import format as ckpt
 from pipeline.checkpoint.safe_dcp import SINGLE_PROCESS_WARNING
+from pipeline.errors import CheckpointError
 from pipeline.metrics import get_logger
 from pipeline.parallel.distributed import DistInfo
 
@@ -68,6 +73,7 @@ class _InFlight:
     tokenizer_dir: Path
     keep: int
     started: float
+    need: int  # bytes of the state written: what a full disk is told it lacks
 
 
 class Checkpointer:
@@ -88,8 +94,12 @@ class Checkpointer:
              tokenizer_dir: Path, keep: int) -> Path:
         """Collective: checkpoint of meta.step (synchronous: complete on return; else `wait`)."""
         if not self.background:
-            final = ckpt.save_training(run_dir, model, optimizer, meta, tokenizer_dir, self.info,
-                                       keep)
+            try:
+                final = ckpt.save_training(run_dir, model, optimizer, meta, tokenizer_dir,
+                                           self.info, keep)
+            except (OSError, CheckpointException) as e:  # DCP's is a BaseException
+                tmp = ckpt.RunDir(run_dir).checkpoints / (ckpt.step_dir_name(meta.step) + ".tmp")
+                raise self._failed(e, tmp, _state_bytes(model, optimizer), "") from None
             log.info("checkpoint %s", final)
             return final
         self.wait()  # at most one in flight
@@ -98,7 +108,8 @@ class Checkpointer:
         future = dcp.async_save({"model": model_sd, "optim": optim_sd},
                                 storage_writer=_Writer(tmp, meta.step), process_group=self.group,
                                 no_dist=not self.info.is_distributed)
-        self.in_flight = _InFlight(future, tmp, final, meta, tokenizer_dir, keep, time.perf_counter())
+        self.in_flight = _InFlight(future, tmp, final, meta, tokenizer_dir, keep,
+                                   time.perf_counter(), _nbytes(model_sd) + _nbytes(optim_sd))
         return final
 
     def poll(self) -> None:
@@ -113,15 +124,59 @@ class Checkpointer:
             return
         try:
             job.future.result()
+            if self.info.is_main:
+                ckpt.finish_save(job.tmp, job.final, job.meta, job.tokenizer_dir, job.keep)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise ckpt.CheckpointError(
-                f"writing checkpoint {job.final.name} in the background failed ({_cause(e)}); "
-                f"the run stops here, {job.tmp.name} is incomplete; --resume auto continues "
-                "from the newest complete checkpoint") from None
-        if self.info.is_main:
-            ckpt.finish_save(job.tmp, job.final, job.meta, job.tokenizer_dir, job.keep)
+            raise self._failed(e, job.tmp, job.need, " in the background") from None
         log.info("checkpoint %s (written in the background in %.1f s)", job.final,
                  time.perf_counter() - job.started)
+
+
+    def _failed(self, e: BaseException, tmp: Path, need: int, how: str) -> CheckpointError:
+        """The one line of a failed save, its incomplete `tmp` removed (by rank 0)."""
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        root = tmp.parent
+        done = ckpt.list_complete(root)
+        last = f"the last complete checkpoint is {done[-1].name}" if done else \
+            "no checkpoint of this run is complete"
+        final = root / tmp.name.removesuffix(".tmp")
+        if _is_disk_full(e):
+            free = shutil.disk_usage(root).free if root.is_dir() else 0
+            return CheckpointError(
+                f"no space left on device writing {final} (free {free / 2**20:,.0f} MB, a "
+                f"checkpoint needs ~{need / 2**20:,.0f} MB); {last}; free space, or lower "
+                "checkpoint.keep, then --resume auto")
+        return CheckpointError(f"writing checkpoint {final.name}{how} failed ({_cause(e)}); the "
+                               f"run stops here; {last}, --resume auto continues from it")
+
+
+def _nbytes(state: object) -> int:
+    """Bytes of the tensors in a (nested) state dict, at their global size."""
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_nbytes(v) for v in state)
+    return state.numel() * state.element_size() if hasattr(state, "element_size") else 0
+
+
+def _state_bytes(model: nn.Module, optimizer) -> int:
+    return _nbytes(model.state_dict()) + _nbytes(optimizer.state_dict())
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in `e`, its rank failures or their causes (torch's stream writer reports
+    it as a RuntimeError naming the failed write)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if getattr(x, "errno", None) == errno.ENOSPC or "No space left" in str(x):
+            return True
+        todo += [x.__cause__, x.__context__, *(f for f, _ in getattr(x, "failures", {}).values())]
+    return False
 
 
 def _cause(e: BaseException) -> str:

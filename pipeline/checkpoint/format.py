@@ -50,6 +50,7 @@ from model import ModelConfig
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.checkpoint.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
 from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_dict
+from pipeline.data.config import DataConfig, check_same_schedule
 from pipeline.metrics import get_logger
 from pipeline.parallel.distributed import DistInfo, barrier
 
@@ -343,12 +344,14 @@ def check_same_model(meta: CheckpointMeta, model_cfg: ModelConfig, where: Path) 
         )
 
 
-def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str) -> CheckpointMeta:
+def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str,
+                   data: DataConfig) -> CheckpointMeta:
     """The meta of a checkpoint to resume `model_cfg` from, refused with one line if it is of
-    another model, holds another optimizer's state or none. Read before anything is built, so a
-    refused resume costs nothing."""
+    another model or data schedule (mixture weights, phases), holds another optimizer's state or
+    none. Read before anything is built, so a refused resume costs nothing."""
     meta = read_meta(ckpt_dir)
     check_same_model(meta, model_cfg, ckpt_dir)
+    check_same_schedule(meta.config.data, data, ckpt_dir)
     if meta.loader is None:
         raise CheckpointError(f"{ckpt_dir} holds no training state (an export); "
                               "resume from a checkpoints/step_* directory")

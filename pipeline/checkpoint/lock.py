@@ -80,7 +80,17 @@ def _read(path: Path) -> tuple[bytes, Holder | None] | None:
         holder = Holder(**json.loads(raw))
     except (ValueError, TypeError):
         return raw, None
-    return raw, holder if isinstance(holder.host, str) and isinstance(holder.pid, int) else None
+    ok = isinstance(holder.host, str) and type(holder.pid) is int and 1 <= holder.pid <= _pid_max()
+    return raw, holder if ok else None
+
+
+def _pid_max() -> int:
+    """The largest pid this host gives (a lock naming another is no lock lmforge wrote: pid 0 or
+    -1 is a process group to os.kill, and 2**64 overflows it)."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 2**22  # Linux's largest
 
 
 def _refusal(path: Path, holder: Holder | None, running: bool | None) -> ConfigError:

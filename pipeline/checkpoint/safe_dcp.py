@@ -11,6 +11,8 @@ make us read outside its directory. DCP trusts its files in three places, each c
   any bytes entry other than an optimizer's param-group settings (all lmforge ever writes).
 - `_StorageInfo.relative_path` is joined to the directory as it is: only DCP's own file names
   (`__R_N.distcp`), as regular files in the directory (no symlinks), are read.
+- The sizes it declares are sized by nothing but itself: pipeline.checkpoint.dcp_checks bounds every tensor
+  it declares by the bytes of its files, and refuses storage transforms, before a model is built.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from pipeline.errors import CheckpointError
+from pipeline.checkpoint.dcp_checks import check_sizes, check_storage_fields
+from pipeline.errors import CheckpointError, refusal
 
 # DCP warns on every save and load in one process (no_dist), which for us is a normal, intended
 # case: a one-process run, or a sharded checkpoint read whole.
@@ -75,11 +78,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _DCP_GLOBALS or is_dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP never writes")
-
-
-def refusal(where: Path | str, why: str) -> CheckpointError:
-    return CheckpointError(f"refusing to load {where}: {why}; the checkpoint is corrupt or "
-                           "crafted, use a checkpoint you trust")
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -123,8 +121,8 @@ def _check_metadata(md: object, directory: Path, where: Path) -> None:
                                  "__R_N.distcp files inside the checkpoint are read")
         if (directory / name).is_symlink():
             raise refusal(where, f"{name} is a symbolic link; checkpoint files must be regular files")
-        if not all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)):
-            raise refusal(where, f"storage of {index.fqn!r} has a bad offset or length")
+        check_storage_fields(index, info, where)
+    check_sizes(md, directory, where)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -75,6 +75,39 @@ def named(sources: list[SourceConfig]) -> list[SourceConfig]:
     return [replace(s, name=s.name or Path(s.path.rstrip("/")).name or s.path) for s in sources]
 
 
+def weights(sources: list[SourceConfig]) -> dict[str, float]:
+    """Each source's share, summing to 1. Scaled by the largest first: weights near the float
+    maximum (1e308 each) would sum to inf and all become 0."""
+    top = max(s.weight for s in sources)
+    scaled = {s.name: s.weight / top for s in sources}
+    total = sum(scaled.values())
+    return {name: w / total for name, w in scaled.items()}
+
+
+def schedule(d: DataConfig) -> list[tuple[float, dict[str, float]]]:
+    """The run's data schedule: (from_step, normalised weights) of each phase, the first at 0."""
+    return [(0.0, weights(d.mixture()))] + [(p.from_step, weights(named(p.sources)))
+                                            for p in d.phases]
+
+
+def check_same_schedule(theirs: DataConfig, ours: DataConfig, where: object) -> None:
+    """A resume keeps the data schedule it was started with (ConfigError otherwise): another
+    mixture or phase plan would change the data under the same run without a word."""
+    old, new = schedule(theirs), schedule(ours)
+    if old != new:
+        show = "; ".join
+        raise ConfigError(
+            f"checkpoint {where} was trained on the data schedule "
+            f"{show(_phase_text(p) for p in old)}, this run asks for "
+            f"{show(_phase_text(p) for p in new)}; resume with the data.mix / data.sources / "
+            "data.phases it was started with, or train the new mixture as a new run in another "
+            "--log.out_dir")
+
+
+def _phase_text(phase: tuple[float, dict[str, float]]) -> str:
+    return f"from {phase[0]:g}: " + ", ".join(f"{n} {w:.4g}" for n, w in phase[1].items())
+
+
 def _mix_item(item: str) -> tuple[str, float]:
     path, sep, weight = item.strip().rpartition(":")
     try:

@@ -16,7 +16,7 @@ import torch
 from data_prep.errors import DataError
 from data_prep.shards import Manifest, load_manifest
 from pipeline.config import DataConfig, EvalConfig, SourceConfig, phase_start
-from pipeline.data.config import named
+from pipeline.data.config import named, weights
 from pipeline.data.loader import Phase, Source
 from pipeline.data.rows import build_rows
 from pipeline.data.windows import TokenWindows
@@ -80,11 +80,6 @@ def train_sources(d: DataConfig, vocab_size: int) -> tuple[list[Source], list[Ph
     phases = [Phase(0.0, weights(d.mixture()))]
     phases += [Phase(p.from_step, weights(named(p.sources))) for p in d.phases]
     return sources, phases
-
-
-def weights(sources: list[SourceConfig]) -> dict[str, float]:
-    total = sum(s.weight for s in sources)
-    return {s.name: s.weight / total for s in sources}
 
 
 def val_sets(d: DataConfig, e: EvalConfig, vocab_size: int, rank: int,

@@ -23,7 +23,7 @@ import bisect
 import numpy as np
 
 from data_prep.errors import DataError
-from data_prep.shards import read_doc_index, write_doc_index
+from data_prep.shards import check_doc_index, map_tokens, read_doc_index, write_doc_index
 from pipeline.data.windows import TokenWindows
 from pipeline.metrics import get_logger
 
@@ -54,13 +54,16 @@ class StreamRows:
 
 
 def doc_starts(windows: TokenWindows) -> np.ndarray:
-    """Stream positions of every EOT of the split, from the shards' document indexes; a shard
-    without one (prepared before the index) is scanned once and its index written beside it."""
+    """Stream positions of every EOT of the split, from the shards' document indexes (each
+    offset checked to be an EOT: one token read per document); a shard without one (prepared
+    before the index) is scanned once and its index written beside it."""
     parts, built = [], []
     for k, path in enumerate(windows.paths):
         n = int(windows.starts[k + 1] - windows.starts[k])
-        offsets = read_doc_index(path, n)
-        if offsets is None:
+        offsets = read_doc_index(path, n, windows.index_sha256s[k])
+        if offsets is not None:
+            check_doc_index(path, offsets, map_tokens(path, windows.dtypes[k], n), windows.eot_id)
+        else:
             offsets = np.flatnonzero(windows.tokens(int(windows.starts[k]),
                                                     int(windows.starts[k + 1])) == windows.eot_id)
             built.append(path)

@@ -35,6 +35,7 @@ class TokenWindows:
         # shard fails here; a damaged payload is caught by the token-range check on every read
         # when it yields an id outside the vocabulary, and fully by `lmforge prepare --verify`.
         self.paths = [manifest.data_dir / s.file for s in infos]
+        self.index_sha256s = [s.index_sha256 for s in infos]  # "" where not recorded
         # Kept so that a read maps a shard without reading its header again.
         self.dtypes = [check_shard(path, info, manifest.vocab_size, checksum=False)
                        for path, info in zip(self.paths, infos, strict=True)]
