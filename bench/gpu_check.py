@@ -88,8 +88,9 @@ def time_steps(r: Run, warmup: int, timed: int) -> dict:
             "loss_ok": all(math.isfinite(x) and x > 0 for x in losses), "step": step}
 
 
-def step_check(device: torch.device, smoke: bool) -> dict[str, dict]:
-    """The 124M step of every configuration (tiny shapes with --cpu-smoke), one line each."""
+def step_check(device: torch.device, smoke: bool, only: list[str] | None = None) -> dict[str, dict]:
+    """The 124M step of every configuration (or those named in `only`; tiny shapes with
+    --cpu-smoke), one line each."""
     dtype = resolve_dtype("auto", device)
     base = Run("lmforge", compiled=device.type == "cuda", device=str(device),
                dtype=dtype_name(dtype), **(SHAPE_SMOKE if smoke else SHAPE_124M))
@@ -98,6 +99,8 @@ def step_check(device: torch.device, smoke: bool) -> dict[str, dict]:
     peak = matmul_peak(device, dtype)
     results, ref = {}, None
     for name, r in configurations(base).items():
+        if only and name not in only:
+            continue
         m = time_steps(r, warmup, timed)
         ref = ref or m["tok_s"]
         mfu = per_token * m["tok_s"] / peak if peak else None
@@ -185,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU/gloo (for tests)")
     p.add_argument("--timeout", type=float, default=240, help="seconds per training run")
     p.add_argument("--data", type=Path, help="prepared data to reuse (default: prepare a slice)")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="step configurations to run (e.g. 'lmforge full' 'preset (modern)')")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         configure_cuda()
     results: dict[str, dict] = {}
-    stages = [("1-device step", lambda: step_check(device, smoke) | cpu_room_check(device))]
+    stages = [("1-device step", lambda: step_check(device, smoke, args.only) | cpu_room_check(device))]
     if smoke or torch.cuda.device_count() >= 2:
         work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
         stages.append(("multi-process", lambda: multi_gpu_checks(work, smoke, args.timeout, args.data)))
