@@ -74,12 +74,15 @@ def _chunk(h_CD, w_VD, safe_C, vocab_size, softcap, want_grad):
         logits_CV = softcap * tanh_CV
     if vocab_size < logits_CV.shape[1]:
         logits_CV[:, vocab_size:] = float("-inf")  # padded columns: no mass, no gradient
-    # log_softmax, not softmax then log: exact where a target's probability underflows fp32.
-    logp_CV = torch.log_softmax(logits_CV, dim=-1)
-    loss_C = -logp_CV.gather(1, safe_C[:, None]).squeeze(1)
+    max_C, argmax_C = logits_CV.max(dim=-1)
+    probs_CV = torch.softmax(logits_CV, dim=-1)  # one pass over each row, one exp per element
+    # At the row's max, softmax is exactly 1 / sum(exp(z - max)), never below 1/V: the
+    # log-sum-exp from it is exact where the target's own probability underflows fp32.
+    lse_C = max_C - probs_CV.gather(1, argmax_C[:, None]).squeeze(1).log()
+    loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
     if not want_grad:
         return loss_C, None
-    grad_CV = logp_CV.exp_()  # softmax, written over the log-probabilities
+    grad_CV = probs_CV  # softmax - one_hot, in place
     grad_CV[torch.arange(len(safe_C), device=safe_C.device), safe_C] -= 1.0
     if softcap:  # d(c·tanh(z/c))/dz = 1 - tanh²
         grad_CV *= 1.0 - tanh_CV * tanh_CV
