@@ -38,9 +38,9 @@ def merge(dirs: list[Path], out: Path) -> Manifest:
     save_state(out, identity, [])
     copy_plain_tree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
     m0 = parts[0]
-    # Counts add up over the parts; what every part shares (the val threshold, the fingerprint
-    # of the files all of them read) is the first part's.
-    shared = ("val_threshold", "source_files")
+    # Counts add up over the parts; what every part shares (the val threshold and floor, the
+    # fingerprint of the files all of them read) is the first part's.
+    shared = ("val_threshold", "val_floor", "source_files")
     stats = {k: sum(m.stats.get(k, 0) for m in parts) for k in m0.stats if k not in shared}
     merged = Manifest(version=FORMAT_VERSION, vocab_size=m0.vocab_size, eot_id=m0.eot_id,
                       tokenizer=m0.tokenizer, source=m0.source, args=identity,
