@@ -70,7 +70,9 @@ class PrepareConfig:
     shard_tokens: int = field(default=100_000_000, metadata={"help":
         "a shard is closed at the first document end at or past this many tokens"})
     val_fraction: float | None = field(default=None, metadata={"help":
-        f"documents whose hash falls below this fraction go to val (default {DEFAULT_VAL_FRACTION})"})
+        f"documents whose hash falls below this fraction go to val (default {DEFAULT_VAL_FRACTION}, "
+        f"and then at least {VAL_FLOOR_TOKENS} tokens if the corpus has them, from the smallest "
+        "hashes, at most half the documents)"})
     val_docs: int | None = field(default=None, metadata={"help":
         "instead: the N documents with the smallest hashes go to val (one extra pass over input)"})
     text_field: str = field(default="text", metadata={"help":
