@@ -214,3 +214,24 @@ def test_a_closed_pipe_ends_inspect_quietly(tmp_path, capsys):
     proc.stdout.close()  # the reader is gone before anything is written (`| head -0`)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and not err.strip(), err
+
+
+def test_resuming_over_a_changed_local_hf_dataset_is_refused(tmp_path, capsys, monkeypatch):
+    """hf:DIR reads a local directory of data files: a resume checks them like a file source's."""
+    pytest.importorskip("datasets", reason="hf: sources need the datasets package")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "hfdata"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 40}) + "\n"
+                                              for i in range(30)))
+    argv = prepare(tmp_path, f"hf:{data}", "--val-fraction", "0", "--shard-tokens", "2000")
+    assert lmforge(argv) == 0
+    out = tmp_path / "out"
+    (out / S.MANIFEST_NAME).unlink()  # as if killed after its last shard
+    shards = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    assert len(shards) > 1
+    (data / "train.jsonl").write_text(json.dumps({"text": "another corpus altogether"}) + "\n")
+    cli_error(capsys, argv, "the files of --source changed")
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
+    assert not (out / S.MANIFEST_NAME).exists()
