@@ -59,6 +59,15 @@ def ordered_parts(parts: list[Manifest]) -> list[Manifest]:
         if rest(m) != rest(parts[0]) or m.tokenizer != parts[0].tokenizer:
             raise DataError(f"{m.data_dir} was prepared with other arguments or tokenizer than "
                             f"{parts[0].data_dir}; merge only parts of one prepare run")
+        # Same arguments do not make one run: the files may have changed between the parts,
+        # or another lmforge may have split train/val by another rule.
+        for key, why in (("source_files", "the files of --source changed (names, sizes or "
+                                          "times) between them"),
+                         ("val_threshold", "they split train/val at different thresholds "
+                                           "(prepared by different lmforge versions)")):
+            if m.stats.get(key) != parts[0].stats.get(key):
+                raise DataError(f"{m.data_dir} and {parts[0].data_dir} are not parts of one run: "
+                                f"{why}; prepare every part again from the same files")
     slices = [part_slice(m.args.get("part")) for m in parts]
     n = slices[0][1]
     if sorted(slices) != [(i, n) for i in range(n)]:

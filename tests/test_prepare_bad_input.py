@@ -235,3 +235,23 @@ def test_resuming_over_a_changed_local_hf_dataset_is_refused(tmp_path, capsys, m
     cli_error(capsys, argv, "the files of --source changed")
     assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
     assert not (out / S.MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("change", ["source edited between parts", "another split rule"])
+def test_parts_of_different_runs_are_not_merged(tmp_path, capsys, change):
+    src = docs_dir(tmp_path, *(f"text number {i} " * 30 for i in range(12)))
+    for i in (1, 2):
+        if i == 2 and change == "source edited between parts":
+            (src / "d3.txt").write_text("an edit made after part 1 was prepared")
+        assert lmforge(prepare(tmp_path, src, "--part", f"{i}/2", out=f"p{i}")) == 0
+    if change == "another split rule":  # as a part prepared by another lmforge would record
+        manifest = tmp_path / "p2" / S.MANIFEST_NAME
+        d = json.loads(manifest.read_text())
+        d["stats"]["val_threshold"] += 1
+        manifest.write_text(json.dumps(d))
+    capsys.readouterr()
+    merged = tmp_path / "merged"
+    line = cli_error(capsys, ["prepare", "--out", str(merged), "--merge", str(tmp_path / "p1"),
+                              str(tmp_path / "p2")], "are not parts of one run")
+    assert ("files of --source changed" in line) == (change == "source edited between parts")
+    assert not merged.exists()
