@@ -22,6 +22,7 @@ import hashlib
 import heapq
 import itertools
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -34,7 +35,7 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from data_prep.errors import DataError
+from data_prep.errors import DataError, is_disk_full
 from data_prep.outdir import TOKENIZER_DIR, Ledger, ShardWriter, resume_state, sort_shards
 from data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
 from data_prep.sources import Source
@@ -298,9 +299,17 @@ def prepare(cfg: PrepareConfig) -> Manifest:
                         "use --dtype uint32 or auto")
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out, identity, done, source_files)
-    ledger.save()  # first, so a crash from here on leaves a resumable dir
-    tok_meta = save_tokenizer_dir(enc, out / TOKENIZER_DIR, kind, name)
-    stats = run_pipeline(cfg, _source(cfg), enc, dtype, threshold, ledger)
+    try:
+        ledger.save()  # first, so a crash from here on leaves a resumable dir
+        tok_meta = save_tokenizer_dir(enc, out / TOKENIZER_DIR, kind, name)
+        stats = run_pipeline(cfg, _source(cfg), enc, dtype, threshold, ledger)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise DataError(f"no space left on device writing {out} (free "
+                        f"{shutil.disk_usage(out).free / 2**20:,.1f} MB, {len(ledger.done)} "
+                        "shards finished and kept); free space, then run the same command: it "
+                        "resumes after them") from None
     stats["val_floor"] = VAL_FLOOR_TOKENS if threshold > base else None  # the summary says it
     m = Manifest(
         version=FORMAT_VERSION, vocab_size=enc.n_vocab, eot_id=eot_id(enc),

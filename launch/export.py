@@ -23,12 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from data_prep.errors import is_disk_full
 from data_prep.shards import check_dir_path, copy_plain_tree
 from data_prep.tokenizer import EOT, VOCAB_FILE, eot_id, load_tokenizer_dir, read_tokenizer_meta
 from launch.cli import ArgumentParser
 from model.hf import export_hf, hf_config_dict
 from pipeline.config import ConfigError
-from pipeline.errors import is_disk_full
 from pipeline.inference import LoadedCheckpoint, load_for_inference
 
 EXPORT_MARKER = "lmforge_export.json"

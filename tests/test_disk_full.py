@@ -14,6 +14,7 @@ import pytest
 
 from bench.runs import ROOT, TINY_ARGS, env
 from tests.errors import last_error
+from tests.test_prepare_bad_input import docs_dir, prepare
 
 
 @contextlib.contextmanager
@@ -77,3 +78,23 @@ def test_an_export_that_fills_its_disk_is_one_line_and_keeps_the_previous_one(ti
         last_error(proc, f"no space left on device writing the export {out} (free ",
                    "nothing was replaced")
         assert files_of(out) == first and [p.name for p in disk.iterdir()] == ["hf"]
+
+
+def test_a_prepare_that_fills_its_disk_is_one_line_and_resumes_once_there_is_room(tmp_path):
+    texts = [f"document {i}: " + "some words of text " * 100 for i in range(60)]  # ~115k tokens
+    src = docs_dir(tmp_path, *texts)
+    whole = tmp_path / "whole"
+    argv = prepare(tmp_path, src, "--shard-tokens", "4000", "--val-fraction", "0.1",
+                   out=str(whole))
+    assert lmforge(*argv).returncode == 0
+    with tmpfs(tmp_path / "mnt", 96 * 1024) as disk:  # the byte vocabulary and some shards
+        out = disk / "data"
+        argv = [*argv[:argv.index("--out") + 1], str(out), *argv[argv.index("--out") + 2:]]
+        line = last_error(lmforge(*argv), f"no space left on device writing {out} (free ",
+                          "then run the same command: it resumes")
+        kept = int(line.split(" MB, ")[1].split()[0])
+        assert kept > 0 and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+        subprocess.run(["mount", "-o", f"remount,size={4 * 2**20}", str(disk)], check=True)
+        assert lmforge(*argv).returncode == 0
+        shards = sorted(p.name for p in whole.iterdir() if p.suffix in (".bin", ".idx"))
+        assert [(out / n).read_bytes() for n in shards] == [(whole / n).read_bytes() for n in shards]

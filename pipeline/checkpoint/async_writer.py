@@ -35,9 +35,10 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from data_prep.errors import is_disk_full
 from pipeline.checkpoint import format as ckpt
 from pipeline.checkpoint.safe_dcp import SINGLE_PROCESS_WARNING
-from pipeline.errors import CheckpointError, is_disk_full
+from pipeline.errors import CheckpointError
 from pipeline.metrics import get_logger
 from pipeline.parallel.distributed import DistInfo
 
