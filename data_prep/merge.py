@@ -61,8 +61,10 @@ def ordered_parts(parts: list[Manifest]) -> list[Manifest]:
                             f"{parts[0].data_dir}; merge only parts of one prepare run")
         # Same arguments do not make one run: the files may have changed between the parts,
         # or another lmforge may have split train/val by another rule.
-        for key, why in (("source_files", "the files of --source changed (names, sizes or "
-                                          "times) between them"),
+        for key, why in (("source_files", "the files of --source differ between them (names, "
+                                          "sizes or modification times: edited between the parts, "
+                                          "or copies that did not keep their times: rsync -a, "
+                                          "cp -p)"),
                          ("val_threshold", "they split train/val at different thresholds "
                                            "(prepared by different lmforge versions)")):
             if m.stats.get(key) != parts[0].stats.get(key):

@@ -253,5 +253,5 @@ def test_parts_of_different_runs_are_not_merged(tmp_path, capsys, change):
     merged = tmp_path / "merged"
     line = cli_error(capsys, ["prepare", "--out", str(merged), "--merge", str(tmp_path / "p1"),
                               str(tmp_path / "p2")], "are not parts of one run")
-    assert ("files of --source changed" in line) == (change == "source edited between parts")
+    assert ("files of --source differ" in line) == (change == "source edited between parts")
     assert not merged.exists()
