@@ -3,6 +3,23 @@
 The CLI catches it and prints `error: <message>` (exit 2) instead of a traceback.
 """
 
+import errno
+
 
 class DataError(Exception):
     """Bad input to data_prep (missing files, bad spec, foreign output dir, corrupt shard, ...)."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in `e`, its rank failures or their causes (torch's stream writer reports
+    it as a RuntimeError naming the failed write, safetensors as a SafetensorError)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if getattr(x, "errno", None) == errno.ENOSPC or "No space left" in str(x):
+            return True
+        todo += [x.__cause__, x.__context__, *(f for f, _ in getattr(x, "failures", {}).values())]
+    return False

@@ -38,9 +38,9 @@ def merge(dirs: list[Path], out: Path) -> Manifest:
     save_state(out, identity, [])
     copy_plain_tree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
     m0 = parts[0]
-    # Counts add up over the parts; what every part shares (the val threshold, the fingerprint
-    # of the files all of them read) is the first part's.
-    shared = ("val_threshold", "source_files")
+    # Counts add up over the parts; what every part shares (the val threshold and floor, the
+    # fingerprint of the files all of them read) is the first part's.
+    shared = ("val_threshold", "val_floor", "source_files")
     stats = {k: sum(m.stats.get(k, 0) for m in parts) for k in m0.stats if k not in shared}
     merged = Manifest(version=FORMAT_VERSION, vocab_size=m0.vocab_size, eot_id=m0.eot_id,
                       tokenizer=m0.tokenizer, source=m0.source, args=identity,
@@ -59,6 +59,17 @@ def ordered_parts(parts: list[Manifest]) -> list[Manifest]:
         if rest(m) != rest(parts[0]) or m.tokenizer != parts[0].tokenizer:
             raise DataError(f"{m.data_dir} was prepared with other arguments or tokenizer than "
                             f"{parts[0].data_dir}; merge only parts of one prepare run")
+        # Same arguments do not make one run: the files may have changed between the parts,
+        # or another lmforge may have split train/val by another rule.
+        for key, why in (("source_files", "the files of --source differ between them (names, "
+                                          "sizes or modification times: edited between the parts, "
+                                          "or copies that did not keep their times: rsync -a, "
+                                          "cp -p)"),
+                         ("val_threshold", "they split train/val at different thresholds "
+                                           "(prepared by different lmforge versions)")):
+            if m.stats.get(key) != parts[0].stats.get(key):
+                raise DataError(f"{m.data_dir} and {parts[0].data_dir} are not parts of one run: "
+                                f"{why}; prepare every part again from the same files")
     slices = [part_slice(m.args.get("part")) for m in parts]
     n = slices[0][1]
     if sorted(slices) != [(i, n) for i in range(n)]:

@@ -22,6 +22,7 @@ import hashlib
 import heapq
 import itertools
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -34,7 +35,7 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from data_prep.errors import DataError
+from data_prep.errors import DataError, is_disk_full
 from data_prep.outdir import TOKENIZER_DIR, Ledger, ShardWriter, resume_state, sort_shards
 from data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
 from data_prep.sources import Source
@@ -54,6 +55,10 @@ BATCH_CHARS = 1 << 20  # characters per encode task: large enough to amortise th
 DEFAULT_VAL_FRACTION = 0.01
 MAX_WORKERS = 1024  # 2*workers batches are in flight: more threads than cores only costs memory
 MAX_SHARD_TOKENS = 1 << 36  # a shard is buffered in memory before it is written
+# The default split's floor, in val tokens (EOT included): two eval windows at the gpt2_124m
+# preset's data.seq_len 1024 and one at llama_350m's 2048, so a small corpus prepared with the
+# defaults can be evaluated by every preset (tests/test_val_floor.py holds it to configs/).
+VAL_FLOOR_TOKENS = 2 * 1024 + 1
 
 
 @dataclass
@@ -66,7 +71,9 @@ class PrepareConfig:
     shard_tokens: int = field(default=100_000_000, metadata={"help":
         "a shard is closed at the first document end at or past this many tokens"})
     val_fraction: float | None = field(default=None, metadata={"help":
-        f"documents whose hash falls below this fraction go to val (default {DEFAULT_VAL_FRACTION})"})
+        f"documents whose hash falls below this fraction go to val (default {DEFAULT_VAL_FRACTION}, "
+        f"and then at least {VAL_FLOOR_TOKENS} tokens if the corpus has them, from the smallest "
+        "hashes, at most half the documents)"})
     val_docs: int | None = field(default=None, metadata={"help":
         "instead: the N documents with the smallest hashes go to val (one extra pass over input)"})
     text_field: str = field(default="text", metadata={"help":
@@ -155,14 +162,47 @@ def doc_key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def val_threshold(cfg: PrepareConfig) -> int:
-    """Documents with doc_key < threshold go to val."""
+def split_threshold(cfg: PrepareConfig) -> int:
+    """Documents with doc_key < threshold go to val, by --val-fraction or --val-docs alone."""
     if cfg.val_docs is None:
         return int((DEFAULT_VAL_FRACTION if cfg.val_fraction is None else cfg.val_fraction) * 2**64)
     if cfg.val_docs == 0:
         return 0
     keys = heapq.nsmallest(cfg.val_docs, map(doc_key, documents(cfg, _source(cfg))))
     return keys[-1] + 1  # exact duplicates of the last one go to val too: none leak into train
+
+
+def val_threshold(cfg: PrepareConfig, enc: tiktoken.Encoding, base: int) -> int:
+    """The split's threshold: `base` as given, or -- neither --val-fraction nor --val-docs given --
+    raised to the floor. The whole input is read (not the --part slice): every part splits alike."""
+    if cfg.val_docs is not None or cfg.val_fraction is not None:
+        return base
+    return floor_threshold(documents(cfg, _source(cfg)), enc, base)
+
+
+def floor_threshold(docs: Iterable[str], enc: tiktoken.Encoding, base: int,
+                    floor: int = VAL_FLOOR_TOKENS) -> int:
+    """`base`, or -- when the documents under it hold fewer than `floor` tokens -- the threshold
+    that also takes the documents with the next smallest keys until val holds `floor` tokens, but
+    at most half the documents, so that train keeps the rest."""
+    below = held = n = 0  # tokens under `base`; tokens in `heap`; documents read
+    heap: list[tuple[int, int]] = []  # (-key, tokens): the fewest smallest keys holding `floor`
+    for text in docs:
+        n += 1
+        key = doc_key(text)
+        if key >= base and held >= floor and key >= -heap[0][0]:
+            continue  # neither val by the hash rule nor among the smallest keys: not encoded
+        tokens = len(encode_ordinary(enc, text)) + 1
+        if key < base:
+            below += tokens
+            if below >= floor:  # the usual case past a few hundred thousand tokens of input
+                return base
+        heapq.heappush(heap, (-key, tokens))
+        held += tokens
+        while held - heap[0][1] >= floor:
+            held -= heapq.heappop(heap)[1]
+    keys = sorted(-k for k, _ in heap)[:n // 2]
+    return max(base, keys[-1] + 1) if keys else base
 
 
 def _source(cfg: PrepareConfig) -> Source:
@@ -248,17 +288,29 @@ def prepare(cfg: PrepareConfig) -> Manifest:
     if next(iter(documents(cfg, _source(cfg))), None) is None:  # before anything is written
         raise DataError(f"source {cfg.source!r} has no documents (empty files, or --text-field "
                         "empty everywhere); point --source at real text")
-    threshold = val_threshold(cfg)
-    enc, kind, name = setup_tokenizer(cfg, out, threshold)
+    base = split_threshold(cfg)
+    # bpe:N trains on the train documents of `base`: the floor needs token counts, so it comes
+    # after, and a document it moves to val may have been in the tokenizer's sample.
+    enc, kind, name = setup_tokenizer(cfg, out, base)
+    threshold = val_threshold(cfg, enc, base)
     dtype = dtype_for_vocab(enc.n_vocab) if cfg.dtype == "auto" else np.dtype(cfg.dtype)
     if enc.n_vocab > np.iinfo(dtype).max + 1:
         raise DataError(f"vocabulary of {enc.n_vocab} tokens does not fit --dtype {cfg.dtype}; "
                         "use --dtype uint32 or auto")
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out, identity, done, source_files)
-    ledger.save()  # first, so a crash from here on leaves a resumable dir
-    tok_meta = save_tokenizer_dir(enc, out / TOKENIZER_DIR, kind, name)
-    stats = run_pipeline(cfg, _source(cfg), enc, dtype, threshold, ledger)
+    try:
+        ledger.save()  # first, so a crash from here on leaves a resumable dir
+        tok_meta = save_tokenizer_dir(enc, out / TOKENIZER_DIR, kind, name)
+        stats = run_pipeline(cfg, _source(cfg), enc, dtype, threshold, ledger)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise DataError(f"no space left on device writing {out} (free "
+                        f"{shutil.disk_usage(out).free / 2**20:,.1f} MB, {len(ledger.done)} "
+                        "shards finished and kept); free space, then run the same command: it "
+                        "resumes after them") from None
+    stats["val_floor"] = VAL_FLOOR_TOKENS if threshold > base else None  # the summary says it
     m = Manifest(
         version=FORMAT_VERSION, vocab_size=enc.n_vocab, eot_id=eot_id(enc),
         tokenizer={k: tok_meta[k] for k in ("kind", "name", "vocab_size", "eot_id", "sha256",

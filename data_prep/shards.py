@@ -106,13 +106,17 @@ def atomic_write_bytes(path: Path, chunks, sha=None, per_process: bool = False) 
     a temp name of this process's own, for a file that several processes may write at once."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if per_process else f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            if sha is not None:
-                sha.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                if sha is not None:
+                    sha.update(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk keeps none of its space
+        raise
     os.replace(tmp, path)
 
 

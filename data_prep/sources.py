@@ -66,11 +66,15 @@ class Source:
         return local_files(self.spec)
 
     def fingerprint(self) -> str | None:
-        """A digest of the names, sizes and modification times of the files read (None for a
-        hf: dataset): a resumed prepare checks that it reads the files it started on."""
+        """A digest of the names, sizes and modification times of the files read (for hf:, those
+        of a local dataset directory; None for a hub dataset): a resumed prepare checks that it
+        reads the files it started on."""
         files = self._spec_files()
         if files is None:
-            return None
+            name = Path(parse_hf_spec(self.spec)[0])
+            if not name.exists():  # a hub id: its files are not known before they are loaded
+                return None
+            files = sorted(p for p in name.rglob("*") if p.is_file()) if name.is_dir() else [name]
         sha = hashlib.sha256()
         for f in files:
             st = f.stat()

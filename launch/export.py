@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from data_prep.errors import is_disk_full
 from data_prep.shards import check_dir_path, copy_plain_tree
 from data_prep.tokenizer import EOT, VOCAB_FILE, eot_id, load_tokenizer_dir, read_tokenizer_meta
 from launch.cli import ArgumentParser
@@ -104,17 +105,36 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     eot = eot_id(load_tokenizer_dir(ckpt.tokenizer_dir))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # A directory of this process's own beside OUT: nothing of the user's is ever in the way.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # A directory of this process's own beside OUT: nothing of the user's is ever in the way.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
         write_export(ckpt, eot, tmp)
         if out.is_dir():  # empty, or a previous export (check_replaceable)
             shutil.rmtree(out)
         tmp.rename(out)
+    except Exception as e:  # safetensors reports ENOSPC as its own SafetensorError
+        if not is_disk_full(e):
+            raise
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # first: the free space said is then true
+        raise disk_full(out, ckpt) from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def disk_full(out: Path, ckpt: LoadedCheckpoint) -> ConfigError:
+    """The one line of an export that filled its disk (a previous export at OUT is untouched:
+    it is replaced only once the new one is complete)."""
+    where = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    weights = 4 * sum(t.numel() for t in ckpt.model.state_dict().values())  # fp32, as written
+    return ConfigError(f"no space left on device writing the export {out} (free "
+                       f"{free / 2**20:,.1f} MB; its fp32 weights alone need {weights / 2**20:,.1f} "
+                       "MB); nothing was replaced: free space, or give --hf on another disk")
 
 
 def write_export(ckpt: LoadedCheckpoint, eot: int, tmp: Path) -> None:

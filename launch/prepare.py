@@ -15,7 +15,7 @@ from pathlib import Path
 
 from data_prep.errors import DataError
 from data_prep.merge import merge
-from data_prep.prepare import PrepareConfig, prepare
+from data_prep.prepare import DEFAULT_VAL_FRACTION, VAL_FLOOR_TOKENS, PrepareConfig, prepare
 from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
 from data_prep.tokenizer import dataset_tokenizer
 from launch.cli import ArgumentParser
@@ -69,9 +69,26 @@ def summary(m: Manifest) -> str:
     for sp, t in m.totals().items():
         lines.append(f"{sp:<9} {t['tokens']:>14,} tokens {t['documents']:>10,} docs "
                      f"{t['shards']:>4} shards")
+    lines += val_lines(m)
     if m.stats.get("replaced_chars"):
         lines.append(f"note      {m.stats['replaced_chars']:,} invalid UTF-8 bytes were replaced by U+FFFD")
     return "\n".join(lines)
+
+
+def val_lines(m: Manifest) -> list[str]:
+    """What the val split can evaluate, said where the default's floor raised it or where it
+    holds fewer than VAL_FLOOR_TOKENS tokens (nothing for a split the user turned off)."""
+    lines, n = [], m.num_tokens("val")
+    if m.stats.get("val_floor"):
+        lines.append(f"val floor the {DEFAULT_VAL_FRACTION:.0%} hash rule held fewer than "
+                     f"{VAL_FLOOR_TOKENS:,} val tokens: val takes the documents with the smallest "
+                     f"hashes up to {VAL_FLOOR_TOKENS:,} tokens (at most half the documents)")
+    if n < VAL_FLOOR_TOKENS and m.stats.get("val_threshold"):
+        can = f"data.seq_len <= {n - 1:,} only" if n > 1 else "no data.seq_len"
+        lines.append(f"note      val holds {n:,} tokens, fewer than {VAL_FLOOR_TOKENS:,} "
+                     f"(2 x 1024 + 1): it can evaluate {can} (the gpt2_124m preset uses 1024); "
+                     "prepare more text, or give a larger --val-fraction or --val-docs")
+    return lines
 
 
 def inspect_main(argv: list[str] | None = None) -> int:

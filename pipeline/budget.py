@@ -26,6 +26,7 @@ import torch
 
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import CALIBRATION_STEPS, JobConfig, save_resolved
+from pipeline.data.config import DataConfig, phase_start
 from pipeline.metrics import get_logger
 from pipeline.parallel.distributed import DistInfo, all_reduce_max
 
@@ -115,11 +116,23 @@ def plan(cfg: JobConfig, elapsed_s: float, done: int, step_s: float, costs: Hook
         total = elapsed_s + ((steps - done) * step_s + hooks) / SAFETY
         return BudgetPlan(steps, ev, sa, ck, lg, total, total <= budget_s)
 
+    # A length that would move a phase given as a fraction into the steps already run is no
+    # candidate: those steps drew their rows by the phases of `cap`.
+    lengths = [s for s in range(cap, floor - 1, -1) if keeps_phases(cfg.data, cap, done, s)]
     # Intervals are rescaled per candidate, so the cost is not exactly monotonic: scan from the top.
-    for steps in range(cap, floor - 1, -1):
+    for steps in lengths:
         if (p := candidate(steps)).fits:
             return p
-    return candidate(floor)
+    return candidate(lengths[-1] if lengths else floor)
+
+
+def keeps_phases(d: DataConfig, cap: int, done: int, steps: int) -> bool:
+    """Whether max_steps = `steps` instead of `cap` keeps the data phases of the `done` steps
+    already run -- each phase starts where it did or, as it did, after them -- and their order."""
+    before = [phase_start(p.from_step, cap) for p in d.phases]
+    after = [phase_start(p.from_step, steps) for p in d.phases]
+    ordered = all(a < b for a, b in zip([0, *after], after, strict=False))
+    return ordered and all(a == b or min(a, b) >= done for a, b in zip(before, after, strict=True))
 
 
 class TimeBudget:
@@ -209,7 +222,13 @@ class RunLength:
                  budget_s, step_s, f"{tok_s:,.0f}", step, costs.eval_s, costs.sample_s,
                  costs.checkpoint_s, p.max_steps, cap, p.estimated_s, p.eval_every,
                  p.sample_every, p.checkpoint_every, RunDir(self.run_dir).config)
+        if phases := self.cfg.data.phases:
+            first = [phase_start(ph.from_step, p.max_steps) + 1 for ph in phases]
+            log.info("time budget: data phases 1..%d (from_step %s) start at steps %s of %d "
+                     "(the %d steps already run keep their phase)", len(phases),
+                     ", ".join(f"{ph.from_step:g}" for ph in phases),
+                     ", ".join(map(str, first)), p.max_steps, step)
         if not p.fits:
-            log.warning("time budget %g s: even %d steps (warmup + 1) need ~%.0f s; raise "
-                        "train.time_budget_s or lower optim.warmup_steps", budget_s,
-                        p.max_steps, p.estimated_s)
+            log.warning("time budget %g s: even %d steps (warmup + 1, data phases after the "
+                        "steps run) need ~%.0f s; raise train.time_budget_s or lower "
+                        "optim.warmup_steps", budget_s, p.max_steps, p.estimated_s)

@@ -4,6 +4,7 @@ write is synchronous or in the background. On a real full filesystem: a small tm
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,23 +14,30 @@ import pytest
 
 from bench.runs import ROOT, TINY_ARGS, env
 from tests.errors import last_error
+from tests.test_prepare_bad_input import docs_dir, prepare
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 3 MB tmpfs: one tiny checkpoint (1.8 MB) fits, a second does not."""
-    mnt = tmp_path / "mnt"
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size_bytes: int):
+    """A tmpfs of `size_bytes` at `mnt`, unmounted after (the test skips where it cannot mount)."""
     mnt.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                              str(mnt)], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs: one tiny checkpoint (1.8 MB) fits, a second does not."""
+    with tmpfs(tmp_path / "mnt", 3 * 2**20) as mnt:
+        yield mnt
 
 
 @pytest.mark.parametrize("background", ["false", "true"])
@@ -43,3 +51,50 @@ def test_a_full_disk_during_a_checkpoint_is_one_line(small_disk, tiny_data, back
     last_error(proc, f"no space left on device writing {run}/checkpoints/step_00000002 (free ",
                "MB, a checkpoint needs ~", "the last complete checkpoint is step_00000001")
     assert sorted(p.name for p in Path(run, "checkpoints").iterdir()) == ["step_00000001"]
+
+
+def lmforge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_an_export_that_fills_its_disk_is_one_line_and_keeps_the_previous_one(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    trained = lmforge("train", "--data.path", str(tiny_data), "--log.out_dir", str(run),
+                      *TINY_ARGS, "--train.max_steps", "2", "--eval.every", "0")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert lmforge("export", "--ckpt", str(run), "--hf", str(tmp_path / "ref")).returncode == 0
+    size = sum(len(b) for b in files_of(tmp_path / "ref").values())
+    with tmpfs(tmp_path / "mnt", size * 3 // 2) as disk:  # one export fits, two do not
+        out = disk / "hf"
+        assert lmforge("export", "--ckpt", str(run), "--hf", str(out)).returncode == 0
+        first = files_of(out)
+        step = run / "checkpoints" / "step_00000002"
+        proc = lmforge("export", "--ckpt", str(step), "--hf", str(out))
+        last_error(proc, f"no space left on device writing the export {out} (free ",
+                   "nothing was replaced")
+        assert files_of(out) == first and [p.name for p in disk.iterdir()] == ["hf"]
+
+
+def test_a_prepare_that_fills_its_disk_is_one_line_and_resumes_once_there_is_room(tmp_path):
+    texts = [f"document {i}: " + "some words of text " * 100 for i in range(60)]  # ~115k tokens
+    src = docs_dir(tmp_path, *texts)
+    whole = tmp_path / "whole"
+    argv = prepare(tmp_path, src, "--shard-tokens", "4000", "--val-fraction", "0.1",
+                   out=str(whole))
+    assert lmforge(*argv).returncode == 0
+    with tmpfs(tmp_path / "mnt", 96 * 1024) as disk:  # the byte vocabulary and some shards
+        out = disk / "data"
+        argv = [*argv[:argv.index("--out") + 1], str(out), *argv[argv.index("--out") + 2:]]
+        line = last_error(lmforge(*argv), f"no space left on device writing {out} (free ",
+                          "then run the same command: it resumes")
+        kept = int(line.split(" MB, ")[1].split()[0])
+        assert kept > 0 and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+        subprocess.run(["mount", "-o", f"remount,size={4 * 2**20}", str(disk)], check=True)
+        assert lmforge(*argv).returncode == 0
+        shards = sorted(p.name for p in whole.iterdir() if p.suffix in (".bin", ".idx"))
+        assert [(out / n).read_bytes() for n in shards] == [(whole / n).read_bytes() for n in shards]

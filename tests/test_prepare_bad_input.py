@@ -214,3 +214,44 @@ def test_a_closed_pipe_ends_inspect_quietly(tmp_path, capsys):
     proc.stdout.close()  # the reader is gone before anything is written (`| head -0`)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and not err.strip(), err
+
+
+def test_resuming_over_a_changed_local_hf_dataset_is_refused(tmp_path, capsys, monkeypatch):
+    """hf:DIR reads a local directory of data files: a resume checks them like a file source's."""
+    pytest.importorskip("datasets", reason="hf: sources need the datasets package")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "hfdata"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 40}) + "\n"
+                                              for i in range(30)))
+    argv = prepare(tmp_path, f"hf:{data}", "--val-fraction", "0", "--shard-tokens", "2000")
+    assert lmforge(argv) == 0
+    out = tmp_path / "out"
+    (out / S.MANIFEST_NAME).unlink()  # as if killed after its last shard
+    shards = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    assert len(shards) > 1
+    (data / "train.jsonl").write_text(json.dumps({"text": "another corpus altogether"}) + "\n")
+    cli_error(capsys, argv, "the files of --source changed")
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
+    assert not (out / S.MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("change", ["source edited between parts", "another split rule"])
+def test_parts_of_different_runs_are_not_merged(tmp_path, capsys, change):
+    src = docs_dir(tmp_path, *(f"text number {i} " * 30 for i in range(12)))
+    for i in (1, 2):
+        if i == 2 and change == "source edited between parts":
+            (src / "d3.txt").write_text("an edit made after part 1 was prepared")
+        assert lmforge(prepare(tmp_path, src, "--part", f"{i}/2", out=f"p{i}")) == 0
+    if change == "another split rule":  # as a part prepared by another lmforge would record
+        manifest = tmp_path / "p2" / S.MANIFEST_NAME
+        d = json.loads(manifest.read_text())
+        d["stats"]["val_threshold"] += 1
+        manifest.write_text(json.dumps(d))
+    capsys.readouterr()
+    merged = tmp_path / "merged"
+    line = cli_error(capsys, ["prepare", "--out", str(merged), "--merge", str(tmp_path / "p1"),
+                              str(tmp_path / "p2")], "are not parts of one run")
+    assert ("files of --source differ" in line) == (change == "source edited between parts")
+    assert not merged.exists()

@@ -10,18 +10,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from bench.runs import children, kill_group, run, run_args, start, wait_for_step
+from bench.runs import children, kill_group, run, run_args, start, wait_for_step, wait_until
 from pipeline.checkpoint import format as ckpt
 from pipeline.checkpoint.lock import Holder, run_lock
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import ConfigError
-from tests.errors import proc_error
+from tests.errors import last_error, proc_error
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
 
@@ -122,3 +123,59 @@ def test_killing_the_launchers_group_stops_its_workers(tiny_data, tmp_path):
     stopped_at = int(out.split("checkpoint saved at step ")[1].split(",")[0])
     assert ckpt.read_meta(ckpt.list_complete(run_dir / "checkpoints")[-1]).step == stopped_at
     assert not (RunDir(run_dir).lock).exists()
+
+
+def test_three_starts_on_a_stale_lock_leave_one_writer(tiny_data, tmp_path):
+    """B reads the stale lock, A takes it over, B then breaks what it read, and C starts while B
+    does: only A may train (lmforge before lock.break moved A's lock aside, C took the empty
+    place, and A and C both trained into the directory)."""
+    run_dir, pause = tmp_path / "run", tmp_path / "pause"
+    run_dir.mkdir()
+    pause.mkdir()
+    dead = start([sys.executable, "-c", "pass"])
+    dead.communicate()
+    (RunDir(run_dir).lock).write_bytes(Holder(Holder.this_process().host, dead.pid, None,
+                                              "then").to_bytes())
+    args = run_args(tiny_data, run_dir, *LONG, "--checkpoint.every", "0")
+    b = start([sys.executable, "-m", "tests.paused_lock_train", *args],
+              {"LMFORGE_LOCK_PAUSE": str(pause)})
+    a = c = None
+    try:
+        wait_until(lambda: (pause / "read").exists(), b, "B's read of the stale lock")
+        a = start(lmforge_train(*args))
+        wait_for_step(a, run_dir, 1)
+        (pause / "go1").touch()
+        wait_until(lambda: (pause / "aside").exists() or b.poll() is not None, a, "B's takeover")
+        c = start(lmforge_train(*args))
+        wait_until(lambda: c.poll() is not None or holder_pid(run_dir) == c.pid, a, "C's start")
+        (pause / "go2").touch()
+        for refused in (b, c):
+            out, _ = refused.communicate(timeout=120)  # its log lines, then its error line
+            line = last_error(subprocess.CompletedProcess([], refused.returncode, "", out))
+            assert f"is being written by another run (pid {a.pid} on " in line, line
+        assert a.poll() is None and holder_pid(run_dir) == a.pid
+    finally:
+        for proc in (a, b, c):
+            if proc is not None:
+                kill_group(proc)
+                proc.communicate()
+
+
+def holder_pid(run_dir: Path) -> int | None:
+    try:
+        return json.loads(RunDir(run_dir).lock.read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_a_takeover_left_half_done_names_the_file_to_delete(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dead = start([sys.executable, "-c", "pass"])
+    dead.communicate()
+    gone = Holder(Holder.this_process().host, dead.pid, None, "then").to_bytes()
+    for name in ("lock", "lock.break"):  # killed between taking lock.break and removing it
+        (run_dir / name).write_bytes(gone)
+    line = proc_error(run(lmforge_train(*run_args(tiny_data, run_dir)), timeout=120))
+    assert f"{run_dir / 'lock.break'} was left by a start that died" in line, line
+    assert sorted(p.name for p in run_dir.iterdir()) == ["lock", "lock.break"]  # nothing written

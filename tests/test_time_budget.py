@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, losses, metrics
+from bench.runs import TINY_ARGS, losses, metrics, train
 from pipeline import budget
 from pipeline.config import ConfigError, load_config
 from pipeline.optim.optimizers import lr_at
 from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
+from tests.test_mixture import small_source
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -115,3 +116,30 @@ def test_bad_budget_settings_are_one_clear_error():
     with pytest.raises(ConfigError, match="train.time_budget_s"):
         load_config(None, ["--train.time_budget_s", "inf"])
     assert math.isclose(load_config(None, ["--train.time_budget_s", "90"]).train.time_budget_s, 90)
+
+
+def test_a_budget_keeps_a_fractional_phase_out_of_the_steps_already_run(tiny_data, tmp_path):
+    """data.phases from_step = 0.5 follows the max_steps the budget chooses, but never back into
+    the 5 calibration steps (drawn with max_steps 1000's phases): the budget picks a length that
+    starts the phase after them, says so, and its config.toml replays the run row for row."""
+    small = small_source(tiny_data, tmp_path / "small")
+    run_dir, again = tmp_path / "run", tmp_path / "again"
+    args = [*TINY_ARGS, "--data.mix", f"{tiny_data}:1", "--optim.warmup_steps", "6",
+            "--data.phases", f'[{{from_step = 0.5, sources = [{{path = "{small}", weight = 1}}]}}]',
+            "--eval.every", "0", "--sample.every", "0", "--checkpoint.every", "0"]
+    # A budget nothing fits: the shortest allowed run, whatever the machine's speed.
+    log = train([*args, "--log.out_dir", str(run_dir), "--train.max_steps", "1000",
+                 "--train.time_budget_s", "0.001"]).stdout
+    train(["--config", str(run_dir / "config.toml"), "--log.out_dir", str(again)])
+
+    def drawn(run):
+        return [(r["step"], r["tokens/pystdlib"], r["tokens/small"]) for r in metrics(run)
+                if "tokens/small" in r]
+
+    assert drawn(run_dir) == drawn(again) and losses(again) == losses(run_dir)
+    saved = load_config(str(run_dir / "config.toml"))
+    # warmup + 1 = 7 steps would start the phase after step round(3.5) = 4, inside steps 1-5.
+    assert saved.train.max_steps == 10 and saved.train.time_budget_s == 0
+    assert drawn(run_dir)[4][2] == 0 < drawn(run_dir)[5][2]
+    assert "data phases 1..1 (from_step 0.5) start at steps 6 of 10" in log
+    assert "step 6: data phase 1 starts" in log

@@ -21,7 +21,6 @@ backend, which an nccl run's default group lacks).
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import time
@@ -36,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from data_prep.errors import is_disk_full
 from pipeline.checkpoint import format as ckpt
 from pipeline.checkpoint.safe_dcp import SINGLE_PROCESS_WARNING
 from pipeline.errors import CheckpointError
@@ -141,7 +141,7 @@ class Checkpointer:
         last = f"the last complete checkpoint is {done[-1].name}" if done else \
             "no checkpoint of this run is complete"
         final = root / tmp.name.removesuffix(".tmp")
-        if _is_disk_full(e):
+        if is_disk_full(e):
             free = shutil.disk_usage(root).free if root.is_dir() else 0
             return CheckpointError(
                 f"no space left on device writing {final} (free {free / 2**20:,.0f} MB, a "
@@ -162,21 +162,6 @@ def _nbytes(state: object) -> int:
 
 def _state_bytes(model: nn.Module, optimizer) -> int:
     return _nbytes(model.state_dict()) + _nbytes(optimizer.state_dict())
-
-
-def _is_disk_full(e: BaseException) -> bool:
-    """ENOSPC anywhere in `e`, its rank failures or their causes (torch's stream writer reports
-    it as a RuntimeError naming the failed write)."""
-    seen, todo = set(), [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if getattr(x, "errno", None) == errno.ENOSPC or "No space left" in str(x):
-            return True
-        todo += [x.__cause__, x.__context__, *(f for f, _ in getattr(x, "failures", {}).values())]
-    return False
 
 
 def _cause(e: BaseException) -> str:

@@ -30,6 +30,9 @@ from pipeline.checkpoint.run_dir import RunDir
 from pipeline.metrics import get_logger
 from pipeline.typed_config import ConfigError
 
+BREAK_WAIT_S = 0.05
+"""How long a start waits while another removes a stale lock (the removal takes microseconds)."""
+
 
 def _start_ticks(pid: int) -> int | None:
     """When a process started (clock ticks since boot, Linux's /proc); None where unknown."""
@@ -120,19 +123,29 @@ def check_unlocked(run_dir: Path) -> None:
             raise _refusal(path, holder, running)
 
 
-def _break_stale(path: Path, stale: bytes) -> None:
-    """Remove a stale lock unless another start replaced it meanwhile."""
-    aside = path.with_name(f"{path.name}.stale.{socket.gethostname()}.{os.getpid()}")
+def _break_stale(path: Path, stale: bytes, holder: Holder, staged: Path) -> None:
+    """Remove a stale lock unless another start replaced it meanwhile. Only the start holding
+    PATH.break may remove it, and the lock is never moved: renaming it aside and linking back a
+    lock taken meanwhile left a moment with no lock, in which a third start took it as well."""
+    breaker = path.with_name(f"{path.name}.break")
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return  # another start broke it first
-    if aside.read_bytes() != stale:  # a fresh lock, taken since it was read: put it back
-        try:
-            os.link(aside, path)
-        except FileExistsError:
-            pass
-    aside.unlink()
+        os.link(staged, breaker)
+    except FileExistsError:
+        found = _read(breaker)
+        breaking = None if found is None else found[1]
+        if breaking is not None and breaking.running() is False:
+            raise ConfigError(f"{breaker} was left by a start that died (pid {breaking.pid}) "
+                              "while it took over a stale lock; delete it and start again") from None
+        time.sleep(BREAK_WAIT_S)  # another start is breaking it: look again after it
+        return
+    try:
+        found = _read(path)
+        if found is not None and found[0] == stale:
+            path.unlink()
+            get_logger().warning("%s: taking over the lock of pid %d on %s, which is gone",
+                                 path, holder.pid, holder.host)
+    finally:
+        breaker.unlink()
 
 
 def _acquire(path: Path, me: Holder) -> None:
@@ -152,9 +165,7 @@ def _acquire(path: Path, me: Holder) -> None:
             running = None if holder is None else holder.running()
             if running is not False:
                 raise _refusal(path, holder, running)
-            get_logger().warning("%s: taking over the lock of pid %d on %s, which is gone",
-                                 path, holder.pid, holder.host)
-            _break_stale(path, raw)
+            _break_stale(path, raw, holder, staged)
         raise ConfigError(f"{path}: could not take the lock (other runs keep starting in "
                           f"{path.parent}); start one run at a time")
     finally:
