@@ -7,7 +7,7 @@ zero_init, value_embeds, an untied head) reach the Muon baseline's final val los
 
 The built-in corpus (builtin:pystdlib) with a trained 2,048-id BPE, prepared once into --data;
 configs/tiny.toml's run (Muon, cosine) at a smaller shape (SHAPE: d_model 128, 4 layers, seq 128,
-2,048 tokens a step), fp32, eager, --threads torch threads, trained by the pipeline's own Trainer in this process. Every
+1,024 tokens a step), fp32, eager, --threads torch threads, trained by the pipeline's own Trainer in this process. Every
 variant sees the same seeds, hence the same initial draws and batches; all are evaluated on the
 same val tokens every --eval-every steps. A finished run (its final step in metrics.jsonl) is
 not run again, so adding a variant costs only its own runs.
@@ -38,14 +38,14 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, header
-from bench.speedrun import read_records, reach
+from bench.speedrun import reach, read_records
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 SHAPE = [
     "--model.d_model", "128", "--model.n_layer", "4", "--model.n_head", "4", "--model.n_kv_head", "2",
-    "--model.max_seq_len", "128", "--data.seq_len", "128", "--train.global_batch_tokens", "2048",
-    "--train.micro_batch_size", "16", "--train.dtype", "fp32", "--train.compile", "off",
+    "--model.max_seq_len", "128", "--data.seq_len", "128", "--train.global_batch_tokens", "1024",
+    "--train.micro_batch_size", "8", "--train.dtype", "fp32", "--train.compile", "off",
     "--optim.name", "muon",
 ]
 OPTIONS = {
@@ -89,6 +89,17 @@ def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
     trainer.fit()
 
 
+def claim(root: Path, run: str) -> bool:
+    """Whether this process takes `run`: the first to create its claim does, so several
+    processes given the same variants share them out (delete OUT/claims to retrain)."""
+    (root / "claims").mkdir(parents=True, exist_ok=True)
+    try:
+        (root / "claims" / run).mkdir()
+    except FileExistsError:
+        return False
+    return True
+
+
 def finished(out: Path, steps: int) -> bool:
     try:
         return any(r.get("step") == steps and "val_loss" in r for r in read_records(out))
@@ -110,7 +121,7 @@ def step_times(data: Path, names: list[str], preset: list[str], args) -> dict[st
         cfg = job_config(data, args.out / "timing", 0, args, overrides(name, preset))
         model = GPT(dataclasses.replace(cfg.model, vocab_size=2048))
         setups[name] = (model, build_optimizer(model, cfg.optim, torch.device("cpu")))
-    idx_BT = torch.randint(0, 2048, (16, 129))
+    idx_BT = torch.randint(0, 2048, (8, 129))
     samples: dict[str, list[float]] = {name: [] for name in names}
     # Round 0 warms up (first-step allocations, optimizer state) and is not counted.
     for rnd in range(args.timing_rounds + 1 if args.timing_rounds else 0):
@@ -167,7 +178,7 @@ def table(rows: list[dict], preset: list[str]) -> str:
     base_s = next(r["step_s"] for r in rows if r["variant"] == "baseline")  # None: not timed
     for r in rows:
         m, s = mean_sd(r["finals"])
-        ratio = "never (some seed)" if r["step_ratio"] is None else "%.3f ± %.3f" % mean_sd(r["step_ratio"])
+        ratio = "never (some seed)" if r["step_ratio"] is None else "{:.3f} ± {:.3f}".format(*mean_sd(r["step_ratio"]))
         cost = f"{(r['step_s'] / base_s - 1) * 100:+.1f}%" if r["step_s"] and base_s else "-"
         step_ms = f"{r['step_s'] * 1e3:.1f}" if r["step_s"] else "-"
         lines.append(f"{r['variant']:<14} {m:>9.4f} ± {s:.4f} {str(r['steps_to_target']):>22} "
@@ -192,7 +203,7 @@ def plot(records: dict[str, list[list[dict]]], png: Path) -> None:
             steps, losses = zip(*points, strict=True)
             ax.plot(steps, losses, "-", color=colors(k), lw=2.2 if name == "preset" else 1, alpha=0.7,
                     label=name if i == 0 else None)
-    ax.set_xlabel("step (2,048 tokens each)")
+    ax.set_xlabel("step (1,024 tokens each)")
     ax.set_ylabel("val loss (nats/token), same val tokens")
     ax.set_ylim(top=min(7.5, ax.get_ylim()[1]))
     ax.set_title("recipe ablation, Muon, d128 L4 seq128 (one line per seed)")
@@ -210,11 +221,13 @@ def run_all(args, names: list[str], preset: list[str]) -> dict[str, list[list[di
         order = names if seed % 2 == 0 else names[::-1]  # interleave the load
         for name in order:
             out = args.out / "runs" / f"{name}_seed{seed}"
-            if not args.report_only and not finished(out, args.steps):
+            if not args.report_only and not finished(out, args.steps) and claim(args.out, out.name):
                 shutil.rmtree(out, ignore_errors=True)
                 t0 = time.perf_counter()
                 train_one(data, out, 1337 + seed, args, overrides(name, preset))
                 print(f"{name} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.train_only:
+        return records
     for name in names:
         records[name] = [read_records(args.out / "runs" / f"{name}_seed{s}") for s in range(args.seeds)]
     return records
@@ -238,26 +251,30 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ",".join(VARIANTS))
     p.add_argument("--preset", default="", help="options the 'preset' variant combines (comma-separated)")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--eval-every", type=int, default=6)
+    p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads: on a busy shared host one thread is not stalled waiting "
                         "for a team's slowest member")
     p.add_argument("--timing-rounds", type=int, default=6)
     p.add_argument("--timing-steps", type=int, default=5)
     p.add_argument("--report-only", action="store_true", help="table and plot from the runs in --out")
+    p.add_argument("--train-only", action="store_true",
+                   help="only train the runs (several such processes share them out)")
     args = p.parse_args()
     preset = [n for n in args.preset.split(",") if n]
     names = [n for n in args.variants.split(",") if n] + (["preset"] if preset else [])
     unknown = [n for n in names + preset if n not in VARIANTS + ["preset"] or n in preset and n not in OPTIONS]
-    if unknown or "baseline" not in names:
+    if unknown or "baseline" not in names and not args.train_only:
         sys.exit(f"error: unknown variants {unknown} or no baseline; choose from {VARIANTS}")
     import torch
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     records = run_all(args, names, preset)
+    if args.train_only:
+        return 0
     train_s = time.perf_counter() - t0
     times = step_times(args.data, names, preset, args)
     rows = summarise(records, times)
