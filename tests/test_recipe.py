@@ -170,3 +170,19 @@ def test_cache_equals_full_recompute_with_every_option():
     assert len({tuple(r) for r in ref}) == len(PROMPTS)
     assert generate(model, PROMPTS, greedy(n)) == ref
     assert generate(model, PROMPTS, greedy(n), use_cache=False) == ref
+
+
+def test_compiled_equals_eager_with_every_option():
+    """torch.compile of the whole model, as training compiles it (fullgraph): the same loss and
+    gradients as eager with every option on."""
+    model = make(**ALL_ON)
+    idx = torch.randint(0, VOCAB, (2, 24))
+    eager = model(idx, idx)
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True)(idx, idx)
+    compiled.backward()
+    assert compiled.item() == pytest.approx(eager.item(), abs=1e-5)
+    worst = max((p.grad - grads[n]).abs().max().item() for n, p in model.named_parameters())
+    assert worst < 1e-4 and all(g.any() for g in grads.values())
