@@ -19,8 +19,8 @@ the comparison (and the step times) like for like.
 Wall-clock to the target = steps to it x the variant's step time, the step times measured by an
 interleaved pass (`step_times`): every variant's model and optimizer built once, then rounds in
 which each variant runs a few training steps in turn on one fixed batch, medians over rounds, so
-load from other processes hits them alike. An option joins the preset when its mean final val
-loss beats the baseline's by more than 2 pooled seed sd (`pays`).
+load from other processes hits them alike. An option joins the preset when its gain in final
+val loss over the baseline, seed by seed, is on average more than 2 sd of those gains (`pays`).
 Writes OUT/recipe.png and OUT/results.json and prints the table.
 """
 
@@ -56,11 +56,13 @@ OPTIONS = {
     "untied": ["--model.tie_embeddings", "false"],
     "value_embeds": ["--model.value_embeds", "true"],
 }
-VARIANTS = ["baseline", *OPTIONS]
+# The issue's quick patch (QK-norm, ReLU², zero-init, untied head): a fixed combination to compare.
+COMBOS = {"patch4": ["qk_norm", "relu2", "zero_init", "untied"]}
+VARIANTS = ["baseline", *OPTIONS, *COMBOS]
 
 
 def overrides(variant: str, preset: list[str]) -> list[str]:
-    names = preset if variant == "preset" else [] if variant == "baseline" else [variant]
+    names = {"preset": preset, "baseline": [], **COMBOS}.get(variant, [variant])
     return [flag for name in names for flag in OPTIONS[name]]
 
 
@@ -142,10 +144,16 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def gains(base: list[float], other: list[float]) -> list[float]:
+    """Per seed, the baseline's final val loss minus the variant's. Paired: a seed gives both
+    the same initial draws and batches, whose effect (the seeds' spread) cancels."""
+    return [b - o for b, o in zip(base, other, strict=True)]
+
+
 def pays(base: list[float], other: list[float]) -> bool:
-    """Gain beyond 2 pooled seed sd: mean(base) - mean(other) > 2·sqrt((sd_b² + sd_o²) / 2)."""
-    (mb, sb), (mo, so) = mean_sd(base), mean_sd(other)
-    return mb - mo > 2 * ((sb**2 + so**2) / 2) ** 0.5
+    """Gain beyond 2 sd of the seed noise: mean(gains) > 2·sd(gains)."""
+    mean, sd = mean_sd(gains(base, other))
+    return mean > 2 * sd
 
 
 def summarise(records: dict[str, list[list[dict]]], times: dict[str, float]) -> list[dict]:
@@ -164,7 +172,8 @@ def summarise(records: dict[str, list[list[dict]]], times: dict[str, float]) -> 
         rows.append({
             "variant": name, "finals": finals[name], "steps_to_target": steps,
             "step_ratio": ratios if len(ratios) == len(runs) else None,
-            "step_s": times.get(name), "pays": name != "baseline" and pays(finals["baseline"], finals[name]),
+            "step_s": times.get(name), "gains": gains(finals["baseline"], finals[name]),
+            "pays": name != "baseline" and pays(finals["baseline"], finals[name]),
         })
     for row in rows:
         if row["step_ratio"] and row["step_s"] and times.get("baseline"):
@@ -173,15 +182,16 @@ def summarise(records: dict[str, list[list[dict]]], times: dict[str, float]) -> 
 
 
 def table(rows: list[dict], preset: list[str]) -> str:
-    lines = [f"{'variant':<14} {'final val loss':>16} {'steps to base':>22} {'step ratio':>14} "
-             f"{'step ms':>8} {'cost':>7} {'time ratio':>10}  pays (>2 sd)"]
+    lines = [f"{'variant':<14} {'final val loss':>16} {'gain (paired)':>16} {'steps to base':>16} "
+             f"{'step ratio':>14} {'step ms':>8} {'cost':>7} {'time ratio':>10}  pays (>2 sd)"]
     base_s = next(r["step_s"] for r in rows if r["variant"] == "baseline")  # None: not timed
     for r in rows:
         m, s = mean_sd(r["finals"])
         ratio = "never (some seed)" if r["step_ratio"] is None else "{:.3f} ± {:.3f}".format(*mean_sd(r["step_ratio"]))
         cost = f"{(r['step_s'] / base_s - 1) * 100:+.1f}%" if r["step_s"] and base_s else "-"
         step_ms = f"{r['step_s'] * 1e3:.1f}" if r["step_s"] else "-"
-        lines.append(f"{r['variant']:<14} {m:>9.4f} ± {s:.4f} {str(r['steps_to_target']):>22} "
+        gain = "{:.4f} ± {:.4f}".format(*mean_sd(r["gains"]))
+        lines.append(f"{r['variant']:<14} {m:>9.4f} ± {s:.4f} {gain:>16} {str(r['steps_to_target']):>16} "
                      f"{ratio:>14} {step_ms:>8} {cost:>7} {r.get('time_ratio', float('nan')):>10.3f}"
                      f"  {'yes' if r['pays'] else 'no'}")
     lines.append(f"preset = {', '.join(preset) or '(none)'}; options that pay: "
@@ -265,7 +275,7 @@ def main() -> int:
     args = p.parse_args()
     preset = [n for n in args.preset.split(",") if n]
     names = [n for n in args.variants.split(",") if n] + (["preset"] if preset else [])
-    unknown = [n for n in names + preset if n not in VARIANTS + ["preset"] or n in preset and n not in OPTIONS]
+    unknown = [n for n in names + preset if n not in [*VARIANTS, "preset"] or n in preset and n not in OPTIONS]
     if unknown or "baseline" not in names and not args.train_only:
         sys.exit(f"error: unknown variants {unknown} or no baseline; choose from {VARIANTS}")
     import torch
