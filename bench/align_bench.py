@@ -50,7 +50,7 @@ def train_one(data: Path, out: Path, seed: int, align: str, args) -> None:
     import torch
 
     from pipeline.config import load_config
-    from pipeline.distributed import DistInfo
+    from pipeline.parallel.distributed import DistInfo
     from pipeline.train import Trainer
 
     overrides = [

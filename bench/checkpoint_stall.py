@@ -4,7 +4,7 @@
     python -m bench.checkpoint_stall --d-model 128 --n-layer 2 --rounds 1   # a quick look
 
 One process runs the trainer's own step (pipeline.train.Trainer.train_step: fp32, AdamW) and its
-checkpointer (pipeline.async_checkpoint.Checkpointer), a synchronous and a background one in the
+checkpointer (pipeline.checkpoint.async_writer.Checkpointer), a synchronous and a background one in the
 same process, rounds interleaved (sync, async, sync, ...) so that both see the same machine.
 sync stall: the saving step's time minus a plain step's (median of the round's plain steps).
 async stall: the same for the step that starts the save (it stages the state to host memory),
@@ -61,9 +61,9 @@ def main() -> None:
     add_model_args(p, d_model=768, n_layer=8, n_head=12)
     a = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
-    from pipeline.async_checkpoint import Checkpointer
+    from pipeline.checkpoint.async_writer import Checkpointer
     from pipeline.config import load_config
-    from pipeline.distributed import DistInfo
+    from pipeline.parallel.distributed import DistInfo
     from pipeline.train import Trainer
 
     info = DistInfo(0, 0, 1, __import__("torch").device("cpu"))

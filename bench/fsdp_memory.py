@@ -9,11 +9,11 @@ chain and training step (pipeline.train.Trainer.train_step, AdamW, fp32) on rand
 written as a prepared dataset. Each rank reports its RSS (from /proc/self/status) after start-up
 (python + torch + the process group), after the trainer is built, after the first step (the
 optimizer state exists), and its peak (VmHWM) after all steps. The planner's figure
-(pipeline.plan.strategies: sharded states + gathered parameters + activations + the loss) is
+(pipeline.parallel.plan.strategies: sharded states + gathered parameters + activations + the loss) is
 compared with peak minus start-up, the memory the run itself added.
 
 --old-init builds the whole model on every rank before sharding it, as lmforge did before
-pipeline/materialize.py, to show what that cost.
+pipeline/parallel/materialize.py, to show what that cost.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from pipeline import train as train_mod
     from pipeline.config import load_config
-    from pipeline.distributed import init_distributed
+    from pipeline.parallel.distributed import init_distributed
 
     info = init_distributed(a.device)
     if info.device.type == "cuda":
@@ -111,8 +111,8 @@ def write_data(a: argparse.Namespace, root: Path) -> Path:
 def planned_mb(a: argparse.Namespace, world: int) -> dict[str, float]:
     from model import ModelConfig
     from pipeline.config import load_config
-    from pipeline.materialize import meta_gpt
-    from pipeline.plan import strategies
+    from pipeline.parallel.materialize import meta_gpt
+    from pipeline.parallel.plan import strategies
 
     cfg = load_config(None, [f"--{kv}" for kv in job_args(a, Path("."), Path("."), world)])
     model = meta_gpt(ModelConfig(**{**cfg.model.to_dict(), "vocab_size": a.vocab}))

@@ -6,7 +6,7 @@
 Each run is the real trainer under torchrun (fp32, eager); a run's step time is the median over
 its steps after the first of global_batch_tokens / tokens_per_s (metrics.jsonl). Muon under
 FSDP2 adds, per step, each block matrix gathered to its owner, Newton-Schulz there, and the
-result scattered back (pipeline/muon.py); the --dry-run plan counts those bytes.
+result scattered back (pipeline/optim/muon.py); the --dry-run plan counts those bytes.
 """
 
 from __future__ import annotations

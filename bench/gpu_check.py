@@ -1,12 +1,17 @@
 """The GPU path in one call (started by bench/gpu_check.sh, which first prints `lmforge env`).
 
-    python -m bench.gpu_check              # on a CUDA machine: 1-GPU step, then >= 2 GPU checks
+    python -m bench.gpu_check              # on a CUDA machine: the 124M step A/B, then >= 2 GPU checks
     python -m bench.gpu_check --cpu-smoke  # the same code path, tiny shapes, CPU/gloo (a test)
 
-1. step: a GPT-2-124M-shaped model (configs/gpt2_124m.toml, 50304-id vocab, synthetic tokens)
-   on one GPU in the dtype `auto` picks (bf16 on any bf16 GPU) with torch.compile; prints the
-   SDPA kernel the profiler saw (flash / efficient / math), tokens/s, MFU against the GPU's
-   dense peak in that dtype and torch.cuda.max_memory_allocated.
+1. step: the GPT-2-124M shape (configs/gpt2_124m.toml's model, 50,257-id vocabulary, B 16 x T
+   1024, synthetic tokens) on one GPU in the dtype `auto` picks (bf16), compiled, AdamW, one
+   configuration after another in this process: lmforge with the whole-logits loss (train.loss
+   = full, what auto takes on CUDA) and with the chunked loss, the recipe preset
+   (configs/gpt2_124m_modern.toml's model, if present), the bench's nanoGPT-style GPT-2
+   reference and HF's LlamaForCausalLM (bench/peers.py). For each: tokens/s (median of timed
+   steps), MFU against the GPU's dense bf16 peak, torch.cuda.max_memory_allocated, and the cold
+   compile (first step less a steady one); lmforge's SDPA kernel as the profiler saw it. Then
+   no pipeline.cpu module may have been imported (the CUDA path never imports the CPU room).
 2. with >= 2 GPUs: prepared data (builtin:pystdlib, offline), then 1-process, 2-process DDP
    (NCCL) and 2-process FSDP2 runs of the same config must give the same per-step losses within
    PARITY_TOL; then a 2-process run is SIGKILLed and `--resume auto` must match the
@@ -17,6 +22,8 @@ Every stage runs under a timeout; any failure makes the exit status 1. A summary
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 import tempfile
 import time
@@ -27,13 +34,10 @@ import torch
 
 from bench import runs as lu
 from bench.common import GPT2_VOCAB, ROOT
-from model import GPT
-from pipeline.config import load_config
-from pipeline.distributed import DistInfo
+from bench.train_bench import Run, training_step
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.hardware import configure_cuda, dtype_name, matmul_peak, resolve_dtype
-from pipeline.optim import build_optimizer
-from pipeline.parallelize import Precision, parallelize
-from pipeline.run_dir import RunDir
+from pipeline.parallel.materialize import meta_gpt
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
 # themselves) agree to ~1e-3 early on and drift slowly; a real bug is off by far more.
@@ -41,6 +45,11 @@ PARITY_TOL = 2e-2
 # Resume replays the same data and RNG; only non-deterministic GPU kernels (atomics in
 # attention backward) separate it from the uninterrupted run.
 RESUME_TOL = 1e-3
+# GPT-2 small: d_mlp 2048 in SwiGLU's 3 matrices = GPT-2's 4d GELU MLP in 2 (the same FLOPs).
+SHAPE_124M = dict(vocab=50257, d_model=768, n_layer=12, n_head=12, seq_len=1024, d_mlp=2048,
+                  batch=16)
+SHAPE_SMOKE = dict(vocab=512, d_model=64, n_layer=2, n_head=4, seq_len=64, d_mlp=172, batch=4)
+PRESET = ROOT / "configs" / "gpt2_124m_modern.toml"
 
 
 def sdpa_kernels(prof) -> str:
@@ -51,56 +60,71 @@ def sdpa_kernels(prof) -> str:
     return "+".join(found) or "none seen"
 
 
-def step_check(device: torch.device, smoke: bool) -> dict:
-    """Throughput of one training step of the 124M shape (tiny shapes with --cpu-smoke)."""
-    cfg = load_config(str(ROOT / "configs" / "gpt2_124m.toml"), [])
-    model_cfg = replace(cfg.model, vocab_size=50304)
-    B, T, warmup, timed = 16, 1024, 3, 10
-    if smoke:
-        model_cfg = replace(model_cfg, n_layer=2, d_model=64, n_head=4, n_kv_head=4,
-                            max_seq_len=64, vocab_size=512)
-        B, T, warmup, timed = 4, 64, 1, 3
+def configurations(base: Run) -> dict[str, Run]:
+    found = {"lmforge full": replace(base, loss="full"),
+             "lmforge chunked": replace(base, loss="chunked")}
+    if PRESET.is_file():
+        found["preset (modern)"] = replace(base, loss="full", model_toml=str(PRESET))
+    return found | {"GPT-2 ref": replace(base, impl="gpt2"), "HF Llama": replace(base, impl="hf")}
+
+
+def time_steps(r: Run, warmup: int, timed: int) -> dict:
+    """One configuration: the first step (cold compile), warm-up, timed steps, peak memory."""
+    device = torch.device(r.device)
+    cuda = device.type == "cuda"
+    torch._dynamo.reset()  # each configuration compiles cold, as a fresh run does
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    step = training_step(r)
+    times, losses = [], []
+    for _ in range(1 + warmup + timed):
+        t0 = time.perf_counter()
+        losses.append(float(step()))  # (the step synchronises on CUDA)
+        times.append(time.perf_counter() - t0)
+    steady = statistics.median(times[1 + warmup:])
+    return {"tok_s": r.batch * r.seq_len / steady, "cold_s": times[0] - steady, "steady_s": steady,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "loss_ok": all(math.isfinite(x) and x > 0 for x in losses), "step": step}
+
+
+def step_check(device: torch.device, smoke: bool, only: list[str] | None = None) -> dict[str, dict]:
+    """The 124M step of every configuration (or those named in `only`; tiny shapes with
+    --cpu-smoke), one line each."""
     dtype = resolve_dtype("auto", device)
-    info = DistInfo(rank=0, local_rank=0, world_size=1, device=device)
-    torch.manual_seed(0)
-    model = GPT(model_cfg).to(device)
-    pm = parallelize(model, info, parallel="none", precision=Precision(dtype, device),
-                     compile_model=device.type == "cuda", activation_checkpointing=False)
-    opt = build_optimizer(pm.module, cfg.optim, device)
-    x_BT = torch.randint(0, model_cfg.vocab_size, (B, T), device=device)
-    y_BT = torch.randint(0, model_cfg.vocab_size, (B, T), device=device)
-
-    def step() -> None:
-        with pm.autocast():
-            loss = pm.loss(x_BT, y_BT)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):  # the first compiles
-        step()
-    with torch.profiler.profile() as prof:
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(timed):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    tok_s = B * T * timed / (time.perf_counter() - t0)
+    base = Run("lmforge", compiled=device.type == "cuda", device=str(device),
+               dtype=dtype_name(dtype), **(SHAPE_SMOKE if smoke else SHAPE_124M))
+    warmup, timed = (1, 2) if smoke else (3, 10)
+    per_token = meta_gpt(base.model_config()).flops_per_token(base.seq_len)  # lmforge full's
     peak = matmul_peak(device, dtype)
-    mfu = model.flops_per_token(T) * tok_s / peak if peak else None
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    sdpa = sdpa_kernels(prof)
-    print(f"step: {model.num_params() / 1e6:.0f}M params, {B}x{T} tokens, {dtype_name(dtype)}, "
-          f"compile {device.type == 'cuda'}, SDPA {sdpa}: {tok_s:,.0f} tok/s, MFU "
-          f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
-          + ("" if mem is None else f", max memory allocated {mem:.1f} GiB"), flush=True)
-    ok = "math" not in sdpa and sdpa != "none seen" and (mfu is None or 0 < mfu <= 1)
-    return {"ok": ok, "detail": f"{tok_s:,.0f} tok/s, MFU "
-            f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, SDPA {sdpa}"}
+    results, ref = {}, None
+    for name, r in configurations(base).items():
+        if only and name not in only:
+            continue
+        m = time_steps(r, warmup, timed)
+        ref = ref or m["tok_s"]
+        mfu = per_token * m["tok_s"] / peak if peak else None
+        detail = (f"{m['tok_s']:,.0f} tok/s ({m['tok_s'] / ref:.2f}x lmforge full), MFU "
+                  f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+                  + (f", cold compile {m['cold_s']:.0f} s" if r.compiled else "")
+                  + ("" if m["peak_gib"] is None else f", peak {m['peak_gib']:.1f} GiB"))
+        ok = m["loss_ok"] and (mfu is None or 0 < mfu <= 1)
+        if name == "lmforge full":
+            with torch.profiler.profile() as prof:
+                m["step"]()
+            sdpa = sdpa_kernels(prof)
+            detail += f", SDPA {sdpa}"
+            ok = ok and "math" not in sdpa and sdpa != "none seen"
+        print(f"step {name}: {detail}", flush=True)
+        results[f"step {name}"] = {"ok": ok, "detail": detail}
+    return results
+
+
+def cpu_room_check(device: torch.device) -> dict[str, dict]:
+    room = sorted(m for m in sys.modules if m.startswith("pipeline.cpu"))
+    if device.type != "cuda":
+        return {}
+    return {"no CPU room": {"ok": not room, "detail": f"pipeline.cpu modules imported: {room}"}}
 
 
 def prepare_data(work: Path, smoke: bool) -> Path:
@@ -164,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU/gloo (for tests)")
     p.add_argument("--timeout", type=float, default=240, help="seconds per training run")
     p.add_argument("--data", type=Path, help="prepared data to reuse (default: prepare a slice)")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="step configurations to run (e.g. 'lmforge full' 'preset (modern)')")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
@@ -174,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         configure_cuda()
     results: dict[str, dict] = {}
-    stages = [("1-device step", lambda: {"1-device step": step_check(device, smoke)})]
+    stages = [("1-device step", lambda: step_check(device, smoke, args.only) | cpu_room_check(device))]
     if smoke or torch.cuda.device_count() >= 2:
         work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
         stages.append(("multi-process", lambda: multi_gpu_checks(work, smoke, args.timeout, args.data)))

@@ -1,6 +1,6 @@
 """What a profiled op is (matmul, attention, softmax, ...), and a step's matmul time from the
 profiler: shared by bench/train_bench.py (the non-matmul milliseconds of its table) and
-bench/profile_step.py (the full breakdown)."""
+profiled ops by kind."""
 
 from __future__ import annotations
 

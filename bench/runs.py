@@ -59,18 +59,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun") -> list[str]:
+def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun",
+              module: str = "launch.train") -> list[str]:
+    """The command that trains with `args` (`module`: launch.train, or a test's wrapper of it)."""
     py = sys.executable
     if nproc == 1 and launcher == "torchrun":
-        return [py, "-m", "launch.train", *args]
+        return [py, "-m", module, *args]
     if launcher == "torchrun":
         return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", "launch.train", *args]
+                "-m", module, *args]
     if launcher == "accelerate":
         return [py, "-m", "accelerate.commands.launch", "--multi_gpu",
                 "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                "-m", "launch.train", *args]
+                "-m", module, *args]
     raise ValueError(launcher)
 
 
@@ -127,9 +129,9 @@ def run(cmd: list[str], timeout: float = 240, retries: int = 1,
 
 
 def train(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: float = 240,
-          extra_env: dict[str, str] | None = None):
+          extra_env: dict[str, str] | None = None, module: str = "launch.train"):
     """Run to completion and assert success; returns the CompletedProcess."""
-    res = run(train_cmd(args, nproc, launcher), timeout=timeout, extra_env=extra_env)
+    res = run(train_cmd(args, nproc, launcher, module), timeout=timeout, extra_env=extra_env)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}"
     return res
 

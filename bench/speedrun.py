@@ -52,7 +52,7 @@ def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
     import torch
 
     from pipeline.config import load_config
-    from pipeline.distributed import DistInfo
+    from pipeline.parallel.distributed import DistInfo
     from pipeline.train import Trainer
 
     overrides = [
@@ -68,7 +68,7 @@ def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
 
 
 def read_records(out: Path) -> list[dict]:
-    from pipeline.run_dir import RunDir
+    from pipeline.checkpoint.run_dir import RunDir
 
     return [json.loads(ln) for ln in RunDir(out).metrics.read_text().splitlines()]
 

@@ -14,8 +14,8 @@ much; a configuration's tok/s is its best round (best_of), and the targets' spee
 each round's runs (paired: their median over rounds). A training step is the same for
 all: forward + mean cross-entropy (under bf16 autocast when the dtype is bf16), backward,
 gradient clipping at 1.0, AdamW. lmforge's step is the
-pipeline's (parallelize and its loss, ParallelModel.loss: eager, pipeline.loss.ChunkedLoss;
-compiled, the forward with FusedLoss in its graph); the references are compiled whole (model +
+pipeline's (parallelize and its loss, ParallelModel.loss: train.loss, auto unless --loss says
+otherwise, in the compiled graph when compiled); the references are compiled whole (model +
 loss). MFU is against the peak measured in the run's dtype. Peak memory is the process's peak
 RSS on CPU, torch.cuda.max_memory_allocated on CUDA. `faults` is the minor page faults of a step
 (a fresh big tensor costs one per 4 KiB on CPU). `mm ms` is a step's matmul time from the
@@ -24,7 +24,7 @@ pairs, after the timed steps, of an unprofiled step and the next one profiled
 (bench.profile_ops.paired_matmul_ms). Each shape ends with the issue's targets, ok or MISSED
 (bf16-native ones where the dtype is bf16, else an fp32 CPU's no-regression ones). Then the cold
 compile (what train.compile=auto weighs) and memory at shape A (peak at batch 1 and 8, the
-largest micro-batch lmforge fits in HF's peak). bench/profile_step.py: where a step's time goes.
+largest micro-batch lmforge fits in HF's peak).
 
 Same FLOPs everywhere: lmforge's SwiGLU MLP with d_mlp 688 (3 matrices) = GPT-2's 4d GELU MLP
 (2 matrices of 1024); the head is D x 50,304 (shape A, GPT-2 vocabulary padded) or 4,096 (B).
@@ -64,14 +64,20 @@ class Run:
     seq_len: int = 256
     d_mlp: int = 688
     profile: bool = True  # time profiled steps' matmuls after the timed ones
-    loss_chunk: int | None = None  # lmforge: tokens per loss chunk (0: full logits; None: its own)
-    attention: str = "auto"  # lmforge: train.attention (main() resolves auto once for all)
-    attention_compiled: str | None = None  # lmforge compiled: its own choice (None: attention)
+    loss: str = "auto"  # lmforge: train.loss (auto | full | chunked)
+    model_toml: str | None = None  # lmforge: the [model] of this config file (vocab and T: the run's)
+    attention: str = "auto"  # lmforge: train.attention (auto | sdpa | eager)
 
     def model_config(self):
-        """lmforge's model at this run's shape (every head its own K/V head, as the peers')."""
+        """lmforge's model at this run's shape (every head its own K/V head, as the peers'), or
+        model_toml's model at this run's vocabulary and sequence length."""
         from model import ModelConfig
 
+        if self.model_toml:
+            from pipeline.config import load_config
+
+            m = load_config(self.model_toml, []).model
+            return replace(m, vocab_size=self.vocab, max_seq_len=self.seq_len)
         return ModelConfig(vocab_size=self.vocab, n_layer=self.n_layer, n_head=self.n_head,
                            n_kv_head=self.n_head, d_model=self.d_model, d_mlp=self.d_mlp,
                            max_seq_len=self.seq_len)
@@ -88,37 +94,32 @@ SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 
 def build_lmforge(r: Run, device):
     from model import GPT
-    from model.model import cross_entropy
     from pipeline import attention
     from pipeline.config import OptimConfig
-    from pipeline.distributed import DistInfo
     from pipeline.hardware import DTYPES
-    from pipeline.loss import select_loss
-    from pipeline.optim import build_optimizer
-    from pipeline.parallelize import Precision, parallelize
+    from pipeline.loss import resolve_loss
+    from pipeline.optim.optimizers import build_optimizer
+    from pipeline.parallel.distributed import DistInfo
+    from pipeline.parallel.parallelize import Precision, parallelize
 
     info = DistInfo(0, 0, 1, device)
     model = GPT(r.model_config()).to(device)
     precision = Precision(DTYPES[r.dtype], device)
-    requested = (r.compiled and r.attention_compiled) or r.attention
-    choice = attention.resolve(requested, model.cfg, r.batch, r.seq_len, precision.dtype, info,
-                               compiled=r.compiled)
+    choice = attention.resolve(r.attention, device, precision.dtype, r.seq_len)
+    loss = resolve_loss(r.loss, device, model.cfg.padded_vocab_size, r.batch * r.seq_len)
     pm = parallelize(model, info, parallel="none", precision=precision, compile_model=r.compiled,
-                     activation_checkpointing=False, attend=attention.kernel(choice))
-    if r.loss_chunk is not None:  # bench.loss_chunk's alternatives
-        pm = replace(pm, head_loss=select_loss(r.compiled, True, r.loss_chunk) if r.loss_chunk
-                     else cross_entropy)
+                     activation_checkpointing=False, loss=loss, attend=attention.kernel(choice))
     return model, pm.loss, build_optimizer(pm.module, OptimConfig(), device)  # the pipeline's loss
 
 
 def training_step(r: Run):
     """The step every configuration runs, as a function of no arguments on a fixed random batch:
-    forward + mean cross-entropy (in pipeline.parallelize.Precision's autocast: bf16 autocast
+    forward + mean cross-entropy (in pipeline.parallel.parallelize.Precision's autocast: bf16 autocast
     over fp32 weights when r.dtype is bf16), backward, gradient clipping at 1.0, AdamW."""
     import torch
 
     from pipeline.hardware import DTYPES, configure_cuda
-    from pipeline.parallelize import Precision
+    from pipeline.parallel.parallelize import Precision
 
     device = torch.device(r.device)
     if device.type == "cuda":
@@ -247,10 +248,8 @@ def memory_section(base: Run, impls: list[tuple[str, bool]], max_runs: int = MAX
 
 
 def cold_compile(shapes: dict[str, int], base: Run, res: dict) -> None:
-    """lmforge's first compiled step with an empty inductor cache, less a steady step: what a
-    run files as its cold compile in the compile ledger (pipeline.compile_policy; until one has,
-    train.compile = auto allows COLD_COMPILE_ALLOWANCE_S a graph), and what the measured gain
-    repays it in."""
+    """lmforge's first compiled step with an empty inductor cache, less a steady step, and what
+    the measured gain repays it in (why train.compile = auto is off on CPU)."""
     print("\ncold compile of lmforge (empty inductor cache; first step - steady step):")
     for s, vocab in shapes.items():
         with tempfile.TemporaryDirectory() as cache:
@@ -369,21 +368,7 @@ def table(shapes: dict[str, int], impls, res: dict, base: Run, peak: float | Non
     return lines
 
 
-def with_attention(base: Run, dtype, device) -> Run:
-    """base with train.attention = auto resolved for lmforge's eager runs and for its compiled
-    ones (the attention's shape does not depend on V: one choice each for every shape), each
-    choice printed with why."""
-    from pipeline import attention
-
-    for compiled in (False, True):
-        choice, why = attention.choose(base.model_config(), base.batch, base.seq_len, dtype,
-                                       device, compiled)
-        base = replace(base, **{"attention_compiled" if compiled else "attention": choice})
-        print(f"lmforge's train.attention = auto -> {why}")
-    return base
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, eager configurations only")
@@ -394,15 +379,23 @@ def main() -> None:
     p.add_argument("--shapes", default="AB", help="which shapes to time (default: both, AB)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--loss", default="auto", choices=["auto", "full", "chunked"],
+                   help="lmforge's train.loss")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     if a.worker:
         print(json.dumps(worker(Run(**json.loads(a.worker)))))
         return
 
     import torch
 
+    from pipeline import attention
     from pipeline.hardware import dtype_name, matmul_peak
+    from pipeline.loss import resolve_loss
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype, peak, line = describe(device, a.dtype)
@@ -412,8 +405,12 @@ def main() -> None:
     impls = SMOKE_IMPLS if a.smoke else IMPLS
     rounds, steps = (1, 2) if a.smoke else (1, 3) if a.quick else (a.rounds, a.steps)
     base = Run("lmforge", 0, False, str(device), dtype_name(dtype), steps, **dims)
+    base = replace(base, loss=a.loss)
     print(line)
-    base = with_attention(base, dtype, device)
+    print(f"lmforge: train.attention = auto -> "
+          f"{attention.resolve('auto', device, dtype, base.seq_len)}; train.loss = {a.loss} -> "
+          + ", ".join(f"{s} {resolve_loss(a.loss, device, -(-v // 64) * 64, base.batch * base.seq_len)}"
+                      for s, v in shapes.items()))
     print(f"d_model {base.d_model}, {base.n_layer} layers, {base.n_head} heads, T {base.seq_len}, "
           f"batch {base.batch}; {rounds} interleaved rounds x {steps} steps after 2 warm-up steps "
           f"(median step per run, best round per configuration); memory: {memory_kind(base.device)}\n")

@@ -77,7 +77,7 @@ def link_shards(parts: list[Manifest], out: Path) -> list[ShardInfo]:
             _link_or_copy(m.data_dir / s.file, out / name)
             if index_path(m.data_dir / s.file).is_file():  # parts prepared before the index: none
                 _link_or_copy(index_path(m.data_dir / s.file), index_path(out / name))
-            infos.append(ShardInfo(name, sp, s.tokens, s.documents, s.sha256))
+            infos.append(ShardInfo(name, sp, s.tokens, s.documents, s.sha256, s.index_sha256))
     return infos
 
 

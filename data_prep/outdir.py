@@ -71,8 +71,9 @@ class ShardWriter:
         name = shard_name(self.split, self.index)
         sha = write_shard(self.ledger.out / name, self.parts, self.vocab_size, self.dtype)
         lengths = np.concatenate(self.lengths)
-        write_doc_index(self.ledger.out / name, np.cumsum(lengths) - lengths, self.tokens)
-        self.ledger.record(ShardInfo(name, self.split, self.tokens, self.docs, sha))
+        index_sha = write_doc_index(self.ledger.out / name, np.cumsum(lengths) - lengths,
+                                    self.tokens)
+        self.ledger.record(ShardInfo(name, self.split, self.tokens, self.docs, sha, index_sha))
         self.parts, self.lengths, self.tokens, self.docs = [], [], 0, 0
         self.index += 1
 

@@ -30,13 +30,14 @@ absent in data prepared before it, then built once from the tokens by `load_doc_
     32      8n    uint64 offset in the shard of each EOT, increasing
 
 so that document boundaries are read without reading the tokens (start-up O(shards + documents),
-not O(bytes)). The loader reads the offsets in stream coordinates, so a document that runs over
+not O(bytes)). Its sha256 is the manifest's `index_sha256` of its shard ("" in data prepared
+before it was recorded: such an index is read, and checked against the tokens as every index is). The loader reads the offsets in stream coordinates, so a document that runs over
 a shard boundary (a shard not starting with EOT) is read as one document.
 
 manifest.json, written last (its presence means the dataset is complete):
 `{"version", "vocab_size", "eot_id", "dtype", "tokenizer": {kind, name, vocab_size, eot_id,
 sha256, pattern}, "source", "args", "stats", "shards": [{file, split, tokens, documents,
-sha256}], "totals": {split: {"tokens", "documents", "shards"}}}` where a shard's sha256 is over
+sha256, index_sha256 (optional)}], "totals": {split: {"tokens", "documents", "shards"}}}` where a shard's sha256 is over
 the whole file, header included.
 """
 
@@ -169,23 +170,31 @@ def index_path(shard: Path) -> Path:
 
 
 def write_doc_index(shard: Path | str, offsets: np.ndarray, shard_tokens: int,
-                    per_process: bool = False) -> None:
-    """Write the document index of `shard` (its EOT offsets) atomically beside it;
-    `per_process` when built at load, where every rank may write it at once."""
+                    per_process: bool = False) -> str:
+    """Write the document index of `shard` (its EOT offsets) atomically beside it; returns its
+    sha256. `per_process` when built at load, where every rank may write it at once."""
     header = _HEADER.pack(INDEX_MAGIC, INDEX_VERSION, 0, len(offsets), shard_tokens)
+    sha = hashlib.sha256()
     atomic_write_bytes(index_path(Path(shard)), [header, np.ascontiguousarray(offsets, "<u8").data],
-                       per_process=per_process)
+                       sha, per_process=per_process)
+    return sha.hexdigest()
 
 
-def read_doc_index(shard: Path | str, shard_tokens: int) -> np.ndarray | None:
-    """The EOT offsets of `shard` as int64, validated (header, size, order, range); None when the
-    shard has no index (prepared before the index existed)."""
+def read_doc_index(shard: Path | str, shard_tokens: int, sha256: str = "") -> np.ndarray | None:
+    """The EOT offsets of `shard` as int64, validated (its `sha256` when the manifest records
+    one, header, size, order, range); None when the shard has no index (prepared before the
+    index existed). That each offset is an EOT is `check_doc_index`'s, which reads the tokens."""
     path = index_path(Path(shard))
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
+        if sha256:
+            raise ShardError(f"document index {path} is missing; {_fix_hint(Path(shard))}") from None
         return None
-    fix = f"delete {path} (it is rebuilt from its shard on the next start)"
+    fix = (_fix_hint(Path(shard)) if sha256 else
+           f"delete {path} (it is rebuilt from its shard on the next start)")
+    if sha256 and hashlib.sha256(raw).hexdigest() != sha256:
+        raise ShardError(f"document index {path} fails its sha256 checksum (corrupted); {fix}")
     if len(raw) < HEADER_BYTES:
         raise ShardError(f"document index {path} is truncated; {fix}")
     magic, version, _, count, tokens = _HEADER.unpack(raw[:HEADER_BYTES])
@@ -194,10 +203,20 @@ def read_doc_index(shard: Path | str, shard_tokens: int) -> np.ndarray | None:
     if tokens != shard_tokens or len(raw) != HEADER_BYTES + 8 * count:
         raise ShardError(f"document index {path} does not match its shard ({tokens} vs "
                          f"{shard_tokens} tokens, {len(raw)} bytes); {fix}")
-    offsets = np.frombuffer(raw, "<u8", offset=HEADER_BYTES).astype(np.int64)
-    if count and (offsets[-1] >= tokens or (np.diff(offsets) <= 0).any()):
-        raise ShardError(f"document index {path} is not increasing within its shard; {fix}")
-    return offsets
+    offsets = np.frombuffer(raw, "<u8", offset=HEADER_BYTES)
+    if count and (offsets.max() >= tokens or (np.diff(offsets.astype(np.int64)) <= 0).any()):
+        raise ShardError(f"document index {path} is not increasing within its shard's "
+                         f"{tokens} tokens; {fix}")
+    return offsets.astype(np.int64)
+
+
+def check_doc_index(shard: Path, offsets: np.ndarray, tokens: np.ndarray, eot_id: int) -> None:
+    """Every offset of `shard`'s index points at an EOT of its `tokens` (one token read per
+    document): an index shifted within its range would start every row mid-document."""
+    if len(offsets) and (bad := np.flatnonzero(tokens[offsets] != eot_id)).size:
+        raise ShardError(f"document index {index_path(shard)} points at {bad.size} token(s) that "
+                         f"are not end-of-text (first: entry {bad[0]}, offset {offsets[bad[0]]}); "
+                         f"{_fix_hint(shard)}")
 
 
 def open_shard(path: Path | str) -> np.ndarray:
@@ -247,6 +266,7 @@ class ShardInfo:
     tokens: int
     documents: int
     sha256: str
+    index_sha256: str = ""  # of its document index; "" in data prepared before it was recorded
 
 
 @dataclass
@@ -294,7 +314,8 @@ class Manifest:
 # named as such, never a TypeError deep in whatever reads the field first.
 _MANIFEST_TYPES = {"version": int, "vocab_size": int, "eot_id": int, "tokenizer": dict,
                    "source": str, "args": dict, "shards": list, "stats": dict, "dtype": str}
-_SHARD_TYPES = {"file": str, "split": str, "tokens": int, "documents": int, "sha256": str}
+_SHARD_TYPES = {"file": str, "split": str, "tokens": int, "documents": int, "sha256": str,
+                "index_sha256": str}
 _TOKENIZER_KEYS = ("kind", "name", "sha256")  # optional: a synthetic dataset has none
 
 
@@ -311,7 +332,8 @@ def shard_infos_from_json(items: Any, where: Path, fix: str) -> list[ShardInfo]:
     if not isinstance(items, list) or not all(isinstance(s, dict) for s in items):
         raise ShardError(f"{where}: its shard list is not a list of objects; {fix}")
     for s in items:
-        if s.keys() != _SHARD_TYPES.keys() or _typed(s, _SHARD_TYPES):
+        if not (_SHARD_TYPES.keys() - {"index_sha256"} <= s.keys() <= _SHARD_TYPES.keys()) \
+                or _typed(s, _SHARD_TYPES):
             raise ShardError(f"{where}: shard entry {s!r} does not have the fields "
                              f"{list(_SHARD_TYPES)} with their types; {fix}")
     infos = [ShardInfo(**s) for s in items]
@@ -391,10 +413,9 @@ def verify(data_dir: Path | str) -> None:
         path = m.data_dir / info.file
         try:
             dtype = check_shard(path, info, m.vocab_size)
-            offsets = read_doc_index(path, info.tokens)
-            if offsets is not None and (map_tokens(path, dtype, info.tokens)[offsets] != m.eot_id).any():
-                raise ShardError(f"document index {index_path(path)} points at tokens that are not "
-                                 f"EOT; delete it (it is rebuilt from its shard on the next start)")
+            offsets = read_doc_index(path, info.tokens, info.index_sha256)
+            if offsets is not None:
+                check_doc_index(path, offsets, map_tokens(path, dtype, info.tokens), m.eot_id)
         except ShardError as e:
             problems.append(str(e))
     if problems:

@@ -32,13 +32,13 @@ from launch.evaluate import evaluate_checkpoint, report
 from launch.prepare import summary
 from launch.sample import write_sample
 from model import SamplingParams
-from pipeline.checkpoint import CheckpointError
+from pipeline.checkpoint.format import CheckpointError
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import ConfigError, JobConfig, load_config
-from pipeline.distributed import init_distributed
 from pipeline.hardware import dtype_name
 from pipeline.inference import load_for_inference
-from pipeline.parallelize import Precision
-from pipeline.run_dir import RunDir
+from pipeline.parallel.distributed import init_distributed
+from pipeline.parallel.parallelize import Precision
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "

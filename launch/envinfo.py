@@ -4,8 +4,8 @@ something is slow or fails, and paste it into bug reports.
     lmforge env            # human-readable
     lmforge env --json     # the same facts for scripts
 
-It measures (about 2-4 s on a CPU): whether bf16 matmul is native here (the probe `auto` uses),
-the matmul peak that MFU is relative to, and which attention kernel auto takes for the demo.
+It states what `auto` picks here (dtype, compile, attention and loss, each a static rule) and
+measures (about 1-2 s on a CPU) the matmul peak that MFU is relative to.
 """
 
 from __future__ import annotations
@@ -20,21 +20,13 @@ import torch
 import torch.distributed as dist
 
 from launch.cli import ArgumentParser
-from model import ModelConfig
 from pipeline import attention, hardware
-from pipeline.compile_policy import (
-    ledger_path,
-    ledger_size,
-    resolve_compile,
-    step_model,
-    threshold_s,
-)
-from pipeline.materialize import meta_gpt
+from pipeline.config import ConfigError
+from pipeline.loss import resolve_loss
+from pipeline.parallel.parallelize import resolve_compile
 
-# configs/tiny.toml's model with the demo's 4096-id BPE: what the compile rule is stated for.
-DEMO_MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, d_model=256,
-                         max_seq_len=256)
-DEMO_BATCH = 8  # its train.micro_batch_size
+# configs/tiny.toml's shape with the demo's 4096-id BPE: what the rules are stated for.
+DEMO_VOCAB, DEMO_SEQ_LEN, DEMO_BATCH = 4096, 256, 8
 PACKAGES = ("numpy", "transformers", "datasets", "tiktoken", "safetensors", "accelerate", "wandb")
 
 
@@ -73,39 +65,19 @@ def gpus() -> list[dict]:
 
 
 def cpu() -> dict:
-    flags = hardware.cpu_flags()
-    probe = hardware.cpu_bf16()
+    from pipeline.cpu.machine import cpu_capability, cpu_flags, cpu_model, native_bf16
+
+    flags = cpu_flags()
+    try:
+        native, why = native_bf16()
+    except ValueError as e:  # a bad LMFORGE_CPU_BF16
+        raise ConfigError(str(e)) from None
     return {
-        "model": hardware.cpu_model(),
-        "capability": hardware.cpu_capability(),
-        "avx2": "avx2" in flags, "avx512": "avx512f" in flags,
-        "amx": "amx_tile" in flags,
-        "bf16_native": probe.native, "bf16_evidence": probe.evidence,
+        "model": cpu_model(), "capability": cpu_capability(),
+        "avx2": "avx2" in flags, "avx512": "avx512f" in flags, "amx": "amx_tile" in flags,
+        "bf16_native": native, "bf16_evidence": why,
         "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
     }
-
-
-def compile_rule(device: torch.device, attend: str) -> dict:
-    """What train.compile = auto decides on `device` (pipeline.compile_policy): on CUDA always; on
-    CPU it depends on the run's estimated eager time, so the threshold for the demo's model
-    (computing attention with `attend`, auto's choice for it)."""
-    if device.type != "cpu":
-        on = resolve_compile("auto", device)
-        return {"rule": f"{'on' if on else 'off'} on {device.type} (whatever the run)",
-                "threshold_s": None, "gain": None}
-    dtype = hardware.auto_dtype(device)[0]
-    peak = hardware.matmul_peak(device, dtype)
-    if not peak:
-        return {"rule": "off on cpu (no measured matmul peak)", "threshold_s": None, "gain": None}
-    steps = step_model(meta_gpt(DEMO_MODEL), DEMO_MODEL.max_seq_len, peak,
-                       hardware.memory_bandwidth(device), attend)
-    t = threshold_s(steps.gain)
-    return {"rule": f"on cpu when a run's estimated eager time reaches {t / 60:.0f} min for the "
-                    f"demo's model in {hardware.dtype_name(dtype)} (compiled est. "
-                    f"{steps.gain:.2f}x faster), else off; each run logs its own estimate, "
-                    f"with what runs of its shape measured here ({ledger_size()} shapes in "
-                    f"{ledger_path()})",
-            "threshold_s": t, "gain": steps.gain}
 
 
 def auto_choices(device: torch.device) -> dict:
@@ -114,13 +86,12 @@ def auto_choices(device: torch.device) -> dict:
     for d in dict.fromkeys([dtype, torch.float32]):  # the auto dtype's peak, and fp32's
         peak = hardware.matmul_peak(device, d)
         peaks[hardware.dtype_name(d)] = None if peak is None else round(peak / 1e9, 1)
-    attend, attend_why = attention.choose(DEMO_MODEL, DEMO_BATCH, DEMO_MODEL.max_seq_len, dtype,
-                                          device)
     return {
         "device": str(device),
         "dtype": hardware.dtype_name(dtype), "dtype_why": why,
-        "compile": compile_rule(device, attend),
-        "attention": {"choice": attend, "why": attend_why},
+        "compile": resolve_compile("auto", device),
+        "attention": attention.resolve("auto", device, dtype, DEMO_SEQ_LEN),
+        "loss": resolve_loss("auto", device, DEMO_VOCAB, DEMO_BATCH * DEMO_SEQ_LEN),
         "matmul_peak_gflops": peaks,
     }
 
@@ -164,9 +135,10 @@ def render(info: dict) -> str:
         f"AMX {_yes(c['amx'])})",
         f"cpu bf16     {'native' if c['bf16_native'] else 'emulated'} ({c['bf16_evidence']})",
         f"auto dtype   {a['dtype']} on {a['device']}: {a['dtype_why']}",
-        f"auto compile {a['compile']['rule']}",
-        f"auto attention {a['attention']['why']} (the demo's model, not compiled; each run "
-        "times its own shape, compiled when it compiles)",
+        f"auto compile {a['compile']} on {a['device']} (on for CUDA, off for CPU)",
+        f"auto attention {a['attention']} at the demo's shape (eager only on a CPU in bf16 at "
+        f"seq_len <= {attention.EAGER_MAX_T})",
+        f"auto loss    {a['loss']} at the demo's shape (full on CUDA, chunked on CPU)",
         "matmul peak  " + ", ".join(
             f"{k} {'unknown' if v is None else f'{v:,.1f} GFLOP/s'}"
             for k, v in a["matmul_peak_gflops"].items()) + f" on {a['device']}",

@@ -25,13 +25,14 @@ from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_b
 from launch.cli import ArgumentParser
 from pipeline import attention
 from pipeline.config import ConfigError
-from pipeline.distributed import DistInfo, distributed
+from pipeline.data.windows import TokenWindows
 from pipeline.evaluate import EvalResult, eval_batches, evaluate
 from pipeline.hardware import dtype_name
 from pipeline.inference import LoadedCheckpoint, load_for_inference
-from pipeline.parallelize import Precision
+from pipeline.loss import build_loss, resolve_loss
+from pipeline.parallel.distributed import DistInfo, distributed
+from pipeline.parallel.parallelize import Precision
 from pipeline.typed_config import number
-from pipeline.windows import TokenWindows
 
 FSDP_BF16_REL_TOL = 5e-4
 """How far a bf16 FSDP run's logged val loss may lie from this eval's: the norm gains rounded to
@@ -102,8 +103,12 @@ def evaluate_checkpoint(
     batches = eval_batches(windows, batch_size, info.rank, info.world_size, max_tokens)
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
     precision = Precision.resolve(run_cfg.train.dtype if dtype is None else dtype, info.device, "eval")
+    # The loss and attention training's eval computed with (its config's resolved choices).
+    loss = resolve_loss(run_cfg.train.loss, info.device, ckpt.config.padded_vocab_size,
+                        batch_size * seq_len)
     result = evaluate(ckpt.model, batches, token_bytes, info, precision=precision,
-                      attend=attention.kernel(run_cfg.train.attention))  # as training's eval
+                      loss_fn=build_loss(loss, info.device),
+                      attend=attention.kernel(run_cfg.train.attention))
     return result, seq_len, precision.dtype
 
 

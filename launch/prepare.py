@@ -19,7 +19,7 @@ from data_prep.prepare import PrepareConfig, prepare
 from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
 from data_prep.tokenizer import dataset_tokenizer
 from launch.cli import ArgumentParser
-from pipeline.data_config import DataConfig
+from pipeline.data.config import DataConfig
 from pipeline.typed_config import add_flags, from_flags, number
 
 NOT_FLAGS = ("out", "progress")
@@ -120,9 +120,9 @@ def show_rows(args: argparse.Namespace) -> int:
     of that many rows (the draws and each source's order do not depend on the batch size)."""
     # Here, not at the top: the trainer's modules import torch, which costs `lmforge prepare`
     # seconds of start-up (bench/prepare_bench.py's fixed cost) that it never needs.
-    from pipeline.data import TrainLoader
-    from pipeline.data_config import validate_data
-    from pipeline.mixture import train_sources
+    from pipeline.data.config import validate_data
+    from pipeline.data.loader import TrainLoader
+    from pipeline.data.mixture import train_sources
     d = DataConfig(path="" if args.mix else str(args.dir), mix=args.mix, align=args.align,
                    seq_len=args.seq_len)
     validate_data(d, max_steps=1)

@@ -26,11 +26,11 @@ from launch.cli import ArgumentParser
 from model import NonFiniteLogits, SamplingError, SamplingParams, stream
 from model.generate import MIN_TEMPERATURE
 from pipeline.config import ConfigError
-from pipeline.distributed import pick_device
 from pipeline.errors import CheckpointError
 from pipeline.hardware import dtype_name
 from pipeline.inference import LoadedCheckpoint, load_for_inference
-from pipeline.parallelize import Precision
+from pipeline.parallel.distributed import pick_device
+from pipeline.parallel.parallelize import Precision
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,10 +5,10 @@
     accelerate launch --multi_gpu --num_processes N -m launch.train ...   the same, via accelerate
     lmforge train --nproc N --config ...                                   torchrun, started for you
 
-`--dry-run` prints the resolved config, the derived sizes and the plan (pipeline/plan.py) and
+`--dry-run` prints the resolved config, the derived sizes and the plan (pipeline/parallel/plan.py) and
 starts nothing. SIGTERM (a scheduler's preemption) makes the trainer checkpoint at the end of the
 current step and exit; so does the death of torchrun, a worker's parent. One run at a time
-writes a run directory (pipeline/runlock.py): another one is refused.
+writes a run directory (pipeline/checkpoint/lock.py): another one is refused.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from pathlib import Path
 from data_prep.errors import DataError
 from data_prep.shards import load_manifest
 from launch.cli import ERROR_DIR, ArgumentParser
+from pipeline.checkpoint.lock import check_unlocked, run_lock
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
-from pipeline.distributed import DistInfo, any_rank, distributed, stop_with_launcher
-from pipeline.materialize import meta_gpt
+from pipeline.data.mixture import describe_mixture, open_sources
 from pipeline.metrics import get_logger, setup_logging
-from pipeline.mixture import describe_mixture, open_sources
-from pipeline.plan import report as plan_report
-from pipeline.runlock import check_unlocked, run_lock
+from pipeline.parallel.distributed import DistInfo, any_rank, distributed, stop_with_launcher
+from pipeline.parallel.materialize import meta_gpt
+from pipeline.parallel.plan import report as plan_report
 from pipeline.train import Trainer, TrainingStopped, model_config_for
 from pipeline.typed_config import keys_help, number
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--dry-run, the plan is for N (default: $WORLD_SIZE or 1)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, derived sizes and plan, then exit")
-    plan = p.add_argument_group("--dry-run planning (pipeline/plan.py): memory per GPU, traffic, time")
+    plan = p.add_argument_group("--dry-run planning (pipeline/parallel/plan.py): memory per GPU, traffic, time")
     plan.add_argument("--nnodes", type=number(int, 1), default=1, help="nodes (default 1)")
     plan.add_argument("--gpu", default="H100",
                       help="GPU model for memory and peak FLOP/s (default H100)")

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import CALIBRATION_STEPS, JobConfig, save_resolved
-from pipeline.distributed import DistInfo, all_reduce_max
 from pipeline.metrics import get_logger
-from pipeline.run_dir import RunDir
+from pipeline.parallel.distributed import DistInfo, all_reduce_max
 
 log = get_logger()
 

@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
-from pipeline.data_config import (  # noqa: F401 - the data section's types, re-exported
+from pipeline.checkpoint.run_dir import RunDir
+from pipeline.data.config import (  # noqa: F401 - the data section's types, re-exported
     DATA_KEYS,
     DataConfig,
     PhaseConfig,
@@ -32,7 +33,6 @@ from pipeline.data_config import (  # noqa: F401 - the data section's types, re-
     phase_start,
     validate_data,
 )
-from pipeline.run_dir import RunDir
 from pipeline.typed_config import (  # noqa: F401 - ConfigError, parse_overrides: re-exported
     ConfigError,
     apply_overrides,
@@ -67,25 +67,27 @@ class TrainConfig:
     lowered so that training with its evals, samples and checkpoints fits (pipeline/budget.py);
     the chosen length is then written to the run's config.toml with the budget off."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """Compute dtype; master weights and optimizer state stay fp32 either way. auto = bf16 on
-    GPUs with bf16 tensor cores and on CPUs where bf16 matmul is native and faster (a measured
-    probe: most CPUs without AVX512-BF16/AMX emulate it far slower), else fp32; the training
-    samples are probed apart (decode steps) and may run in fp32 where training runs in bf16."""
+    """Compute dtype; master weights and optimizer state stay fp32. auto = bf16 on GPUs with bf16
+    tensor cores and on CPUs with AVX512-BF16/AMX (LMFORGE_CPU_BF16=native|emulated overrides),
+    else fp32: other CPUs emulate bf16 hundreds of times slower."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the forward with its loss; auto = on for CUDA, and on CPU when the run's
-    estimated eager time (a roofline from the measured matmul peak and memory bandwidth, or what
-    runs of this shape measured on this machine: its compile ledger) repays the cold compiles;
-    the run logs why and keeps the choice on resume: see pipeline.compile_policy."""
+    """torch.compile the forward with its loss; auto = on for CUDA, off for CPU (a cold CPU
+    compile costs more than a demo-sized run gains). Kept on resume, as attention and loss."""
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     """Attention kernel: sdpa (F.scaled_dot_product_attention: flash, O(T) memory) or eager
-    (matmul, softmax, matmul by blocks of queries, each only up to its causal edge: saves about
-    half of each layer's T x T probabilities). auto = sdpa on CUDA; on CPU both are timed at the
-    run's shape (compiled, when the run compiles) and eager is taken if clearly faster and its
-    memory fits; the run logs why and keeps the choice on resume: see pipeline.attention."""
+    (matmul, softmax, matmul by causal query blocks). auto = sdpa, except eager on a CPU in bf16
+    at data.seq_len <= 512, where the CPU flash kernel is slow (pipeline/attention.py)."""
+    loss: Literal["auto", "full", "chunked"] = "auto"
+    """LM-head loss: full (whole logits + F.cross_entropy, as nanoGPT and torchtitan) or chunked
+    (memory O(chunk x vocab)). auto = full on CUDA unless a micro-batch's logits pass 2^30
+    elements, chunked on CPU (pipeline/loss.py)."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
+    ddp_bucket_mb: float = 25.0
+    """DDP's gradient bucket in MiB (torch's default): each bucket's all-reduce overlaps the rest
+    of the backward; compiled, the model is split into one graph region per bucket."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass: less memory, ~1/3 more compute."""
     max_bad_steps: int = 3
@@ -97,7 +99,7 @@ class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
     """adamw: AdamW for every parameter. muon: torch.optim.Muon for the transformer blocks'
     matrices (at muon_lr), AdamW for the token embedding / LM head and the norms (at lr). Under
-    fsdp each matrix is orthogonalised whole by one rank (pipeline/muon.py)."""
+    fsdp each matrix is orthogonalised whole by one rank (pipeline/optim/muon.py)."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of the warmup (with muon: the AdamW groups')."""
     min_lr_ratio: float = 0.1
@@ -282,6 +284,7 @@ def validate(cfg: JobConfig) -> None:
     need(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1")
     need(t.max_steps >= 1, "train.max_steps", ">= 1")
     need(t.max_bad_steps >= 1, "train.max_bad_steps", ">= 1")
+    need(1 <= t.ddp_bucket_mb < math.inf, "train.ddp_bucket_mb", "MiB >= 1 (compiled DDP's least)")
     need(0 <= t.time_budget_s < math.inf, "train.time_budget_s", "seconds >= 0; 0 = off")
     # The budget is measured inside the warmup, where the schedule does not depend on max_steps.
     need(t.time_budget_s == 0 or o.warmup_steps >= CALIBRATION_STEPS, "optim.warmup_steps",
@@ -402,6 +405,7 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
         f"lr:        peak {o.lr:g} after {o.warmup_steps} warmup steps, {decay}",
         f"optimizer: {_describe_optimizer(o)}",
         f"numerics:  dtype {t.dtype} (fp32 master weights), compile {t.compile}, "
+        f"attention {t.attention}, loss {t.loss}, "
         f"parallel {t.parallel}, device {t.device}",
     ])
 

@@ -22,10 +22,10 @@ from torch import nn
 
 from model.model import IGNORE_INDEX
 from pipeline.attention import Attend
-from pipeline.distributed import DistInfo, all_reduce_sum
-from pipeline.loss import EAGER_LOSS, HeadLoss
-from pipeline.parallelize import Precision
-from pipeline.windows import TokenWindows
+from pipeline.data.windows import TokenWindows
+from pipeline.loss import HeadLoss
+from pipeline.parallel.distributed import DistInfo, all_reduce_sum
+from pipeline.parallel.parallelize import Precision
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,13 @@ def evaluate(
     info: DistInfo,
     *,
     precision: Precision,
-    loss_fn: HeadLoss = EAGER_LOSS,
+    loss_fn: HeadLoss,
     attend: Attend = F.scaled_dot_product_attention,
 ) -> EvalResult:
     """Sum of token losses, token count and byte count over this rank's batches, reduced over
     ranks. `token_bytes[id]` is the UTF-8 length of token `id` (0 for special tokens); targets
-    equal to IGNORE_INDEX are not counted. loss_fn: the LM-head loss (training passes its own,
-    compiled with the model when the run is); attend: the attention (training passes its own,
+    equal to IGNORE_INDEX are not counted. loss_fn: the LM-head loss training computes (its
+    own, compiled with the model when the run is; `lmforge eval`: the run's train.loss); attend: the attention (training passes its own,
     so a compiled model is not compiled again for eval).
 
     Every rank must pass the same number of batches (FSDP runs each forward on all ranks):

@@ -21,9 +21,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from data_prep.errors import DataError
 from data_prep.tokenizer import read_tokenizer_meta
 from model import GPT, ModelConfig
-from pipeline.checkpoint import CheckpointMeta, read_meta, resolve
-from pipeline.materialize import meta_gpt
-from pipeline.safe_dcp import (
+from pipeline.checkpoint.format import CheckpointMeta, read_meta, resolve
+from pipeline.checkpoint.safe_dcp import (
     SafeFileSystemReader,
     load_into,
     load_strict,
@@ -31,6 +30,7 @@ from pipeline.safe_dcp import (
     refusal,
     single_process_ok,
 )
+from pipeline.parallel.materialize import meta_gpt
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -81,7 +81,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
 
 def check_tokenizer_fits(tokenizer_dir: Path, cfg: ModelConfig) -> None:
     """The checkpoint's tokenizer (when it has one) is the model's: the trainer builds the model
-    with exactly its ids (pipeline.windows refuses data of any other vocabulary)."""
+    with exactly its ids (pipeline.data.windows refuses data of any other vocabulary)."""
     if not tokenizer_dir.is_dir():
         return
     try:

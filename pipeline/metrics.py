@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pipeline.run_dir import RunDir
+from pipeline.checkpoint.run_dir import RunDir
 
 LOGGER_NAME = "lmforge"
 

@@ -20,9 +20,10 @@ import torch
 from data_prep.shards import load_manifest
 from data_prep.tokenizer import dataset_tokenizer, encode_prompt, eot_id, token_byte_lengths
 from model import GPT, ModelConfig, generate
-from pipeline import attention, budget, compile_policy
-from pipeline import checkpoint as ckpt
-from pipeline.async_checkpoint import Checkpointer
+from pipeline import attention, budget
+from pipeline.checkpoint import format as ckpt
+from pipeline.checkpoint.async_writer import Checkpointer
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import (
     ConfigError,
     DataConfig,
@@ -35,22 +36,22 @@ from pipeline.config import (
     describe,
     save_resolved,
 )
-from pipeline.data import TrainLoader
-from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.data.loader import TrainLoader
+from pipeline.data.mixture import ValSet, is_mixture, train_sources, val_sets
 from pipeline.evaluate import evaluate
 from pipeline.hardware import dtype_name, peak_flops, to_device
-from pipeline.materialize import meta_gpt
 from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
-from pipeline.mixture import ValSet, is_mixture, train_sources, val_sets
-from pipeline.optim import apply_schedule, build_optimizer
-from pipeline.parallelize import (
+from pipeline.optim.optimizers import apply_schedule, build_optimizer
+from pipeline.parallel.distributed import DistInfo, all_reduce_sum
+from pipeline.parallel.materialize import meta_gpt
+from pipeline.parallel.parallelize import (
     ParallelModel,
     Precision,
     RecompileWatch,
     parallelize,
+    resolve_choices,
     resolve_parallel,
 )
-from pipeline.run_dir import RunDir
 
 log = get_logger()
 
@@ -109,11 +110,12 @@ def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) ->
 
 def build_parallel(model: GPT, train_cfg: TrainConfig, precision: Precision,
                    info: DistInfo) -> ParallelModel:
-    """train_cfg.attention and .compile resolved (Trainer._resolve_choices)."""
+    """train_cfg.compile, .attention and .loss resolved (Trainer._resolve_choices)."""
     return parallelize(
         model, info, parallel=resolve_parallel(train_cfg.parallel, info), precision=precision,
         compile_model=train_cfg.compile == "on",
-        activation_checkpointing=train_cfg.activation_checkpointing,
+        activation_checkpointing=train_cfg.activation_checkpointing, loss=train_cfg.loss,
+        ddp_bucket_mb=train_cfg.ddp_bucket_mb,
         attend=attention.kernel(train_cfg.attention), init_seed=train_cfg.seed,
     )
 
@@ -137,7 +139,7 @@ class Trainer:
         grad_accum_steps = self.derived.grad_accum_steps
         resume_from = ckpt.find_resume(cfg.checkpoint.resume, self.run_dir)
         resume_meta = None if resume_from is None else ckpt.read_resumable(
-            resume_from, self.model_cfg, cfg.optim.name)
+            resume_from, self.model_cfg, cfg.optim.name, cfg.data)
 
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
                                grad_accum_steps=grad_accum_steps, info=info,
@@ -146,11 +148,9 @@ class Trainer:
                                                 self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
         self.sample_precision = Precision.resolve(cfg.train.dtype, info.device, "sample")
-        self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/materialize.py)
+        self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/parallel/materialize.py)
         self._resolve_choices(None if resume_meta is None else resume_meta.config)
         self.parallel = build_parallel(self.model, self.cfg.train, self.precision, info)
-        self.compile_meter = compile_policy.meter(self.model, self.cfg.train, cfg.data.seq_len,
-                                                  self.precision.dtype, info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
                                          self.precision.dtype)
         self.checkpointer = Checkpointer(info, cfg.checkpoint.async_save)
@@ -168,17 +168,17 @@ class Trainer:
         self.sampler: GPT | None = None
 
     def _resolve_choices(self, started: JobConfig | None) -> None:
-        """train.attention's and train.compile's choices (compile_policy.resolve_choices) into
+        """train.compile's, .attention's and .loss's choices (parallelize.resolve_choices) into
         the config (run dir, checkpoints): a resumed run keeps those it started with."""
-        t = compile_policy.resolve_choices(self.model, self.cfg.train, self.cfg.data.seq_len,
-                                           self.precision.dtype, self.info,
-                                           started and started.train)
+        t = resolve_choices(self.cfg.train, self.info.device, self.precision.dtype,
+                            self.cfg.data.seq_len, self.model_cfg.padded_vocab_size,
+                            started and started.train)
         self.length.settle(replace(self.cfg, train=t))
         self._rebind(self.length.cfg)
 
     def _rebind(self, cfg: JobConfig) -> None:
-        """The config's changes after the start: train.attention's and .compile's choices, then
-        the length a time budget fixed."""
+        """The config's changes after the start: the choices of train.compile, .attention and
+        .loss, then the length a time budget fixed."""
         self.cfg, self.derived = cfg, derive(cfg, self.info.world_size)
 
     def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:
@@ -256,7 +256,7 @@ class Trainer:
 
     def run_eval(self, n_batches: int | None = None) -> dict:
         """val_loss/ppl/bpb; of a mixture, per source (val_loss/NAME, val_bpb/NAME) and the
-        sources' weighted mean (see pipeline/mixture.py)."""
+        sources' weighted mean (see pipeline/data/mixture.py)."""
         record, means = {}, {"val_loss": 0.0, "val_bpb": 0.0}
         total = sum(v.weight for v in self.data.val)
         for v in self.data.val:
@@ -381,8 +381,6 @@ class Trainer:
         # then overlaps the next step's start; in steady state dt is still one step's time.
         dt = budget.now() - t0
         self.step += 1
-        if self.compile_meter:
-            self.compile_meter.step_done(dt)
         self.recompiles.check("train", self.step)
         if (p := self.length.step_done(self.step, dt, self._hook_costs)) is not None:
             self._rebind(self.length.cfg)
@@ -428,8 +426,6 @@ class Trainer:
             self.save()
 
     def _finish(self, final: Path | None) -> None:
-        if self.compile_meter:
-            self.compile_meter.finish()
         if self.step == self.cfg.train.max_steps:
             if final is None:  # resumed from the last step's checkpoint: export it
                 final = self.export_final()

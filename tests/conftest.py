@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,15 +17,6 @@ GPT2_TIKTOKEN = ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# A ledger of this session's own (pipeline.compile_policy): the developer's measurements never
-# steer a test's train.compile = auto, and the tests never write into them.
-os.environ["LMFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmforge-test-cache-")
-
-
-@pytest.fixture(autouse=True)
-def own_compile_ledger(tmp_path, monkeypatch):
-    """Each test starts with an empty ledger: another test's timings never change its decisions."""
-    monkeypatch.setenv("LMFORGE_CACHE_DIR", str(tmp_path / "lmforge-cache"))
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +80,7 @@ def layout_args(data, out, *extra: str) -> list[str]:
 @pytest.fixture(scope="session")
 def layout_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     """One run per layout ("none", "ddp", "fsdp"), each with its gradient collectives traced
-    to RUN.trace.rankN (LMFORGE_TRACE_GRAD_SYNC): the baselines of the accumulation, parity,
+    to RUN.trace.rankN (tests/traced_train.py): the baselines of the accumulation, parity,
     resume and resharding tests, trained once for all of them."""
     from bench.runs import train
 
@@ -99,7 +89,7 @@ def layout_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("LMFORGE_TRACE_GRAD_SYNC", str(root / f"{parallel}.trace"))
                 train(layout_args(tiny_data, root / parallel, "--train.parallel", parallel),
-                      nproc=1 if parallel == "none" else 2)
+                      nproc=1 if parallel == "none" else 2, module="tests.traced_train")
 
     root = built_once(tmp_path_factory, "layouts", build)
     return {parallel: root / parallel for parallel in ("none", "ddp", "fsdp")}

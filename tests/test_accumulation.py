@@ -1,7 +1,7 @@
 """Gradient accumulation across ranks, where a lost no_sync or a mis-scaled micro-step hides:
 2 ranks x 2 accumulation micro-steps, DDP and FSDP, against 1 process x 4 micro-steps on the same
 global batch, in fp32, at the tolerance measured for fp32 round-off; and the gradient collectives
-counted per optimizer step (pipeline/parallelize.py's LMFORGE_TRACE_GRAD_SYNC): DDP all-reduces
+counted per optimizer step (tests/traced_train.py): DDP all-reduces
 and FSDP reduce-scatters in the last micro-step of each step only. Dropping `no_sync` changes no
 number, so only the count can catch it."""
 

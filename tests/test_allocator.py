@@ -1,4 +1,4 @@
-"""pipeline.hardware.set_cpu_allocator, as build_optimizer and parallelize apply it: glibc
+"""pipeline.cpu.allocator.set_cpu_allocator, as build_optimizer and parallelize apply it: glibc
 malloc's policy for a training process's large blocks, checked by the page faults a 16 MiB buffer
 costs when it is allocated again after being freed (a step's buffers, step after step). Each case runs in a fresh
 process: mallopt's settings last for the process."""
@@ -19,8 +19,8 @@ PAGES = SIZE // 4096
 SCRIPT = """
 import ctypes, resource, sys, torch
 from pipeline.config import OptimConfig
-from pipeline.hardware import set_cpu_allocator
-from pipeline.optim import build_optimizer
+from pipeline.cpu.allocator import set_cpu_allocator
+from pipeline.optim.optimizers import build_optimizer
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -13,7 +13,7 @@ import pytest
 
 from bench.runs import run
 from pipeline import budget
-from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import format as ckpt
 from pipeline.train import Trainer
 from tests.test_time_budget import CPU, cfg_for
 
@@ -74,7 +74,7 @@ def worker(out_dir: Path) -> int:
     """One rank: five 1 s steps, then hook costs that differ by rank; writes the plan's inputs."""
     from pipeline.budget import RunLength
     from pipeline.config import CALIBRATION_STEPS, load_config
-    from pipeline.distributed import distributed
+    from pipeline.parallel.distributed import distributed
 
     cfg = load_config(None, ["--log.out_dir", str(out_dir), "--optim.warmup_steps", "6",
                              "--train.max_steps", "40", "--train.time_budget_s", "100"])

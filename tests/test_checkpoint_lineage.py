@@ -17,12 +17,12 @@ import torch
 
 from bench.runs import losses, metrics, run_config
 from data_prep import shards as S
-from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import format as ckpt
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import JobConfig
-from pipeline.data import TokenWindows
-from pipeline.distributed import DistInfo
+from pipeline.data.loader import TokenWindows
 from pipeline.inference import load_for_inference
-from pipeline.run_dir import RunDir
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from bench.runs import ROOT, TINY_ARGS, env
-from pipeline.distributed import DistInfo
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 from tests.errors import cli_error, last_error
 from tests.test_checkpoint_lineage import cfg_for

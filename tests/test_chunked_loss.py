@@ -1,7 +1,7 @@
-"""The LM-head loss paths (pipeline.loss: eager ChunkedLoss, both logits kernels, and FusedLoss,
-eager and compiled): the same loss and gradients as cross-entropy on the full logits (the model's
-own `cross_entropy`), without ever building the B×T×V logits or their gradient. Always reduced
-in fp32, also when the head matmul is bf16 (autocast, FSDP's bf16 parameters).
+"""The chunked LM-head loss (pipeline.loss.ChunkedLoss, eager and compiled): the same loss and
+gradients as cross-entropy on the full logits (the model's own `cross_entropy`), also with a
+logit softcap, without ever building the B×T×V logits or their gradient; always reduced in fp32,
+also when the head matmul is bf16 (autocast, FSDP's bf16 parameters). And train.loss = auto's rule.
 
 The 2-rank checks run this file as a torchrun worker (`python -m tests.test_chunked_loss OUT`).
 """
@@ -16,9 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import pipeline.loss as loss_module
 from model import GPT, ModelConfig
-from pipeline.loss import ChunkedLoss, FusedLoss, select_loss
+from model.model import cross_entropy
+from pipeline.loss import (
+    CHUNK_ELEMS,
+    FULL_LOGITS_MAX_ELEMS,
+    ChunkedLoss,
+    build_loss,
+    chunk_tokens,
+    resolve_loss,
+)
 
 V_REAL = 1000  # padded to 1024 in the head: the padding columns must get no mass
 
@@ -50,17 +57,10 @@ def loss_and_grads(model: GPT, loss_fn, upstream=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.fixture(params=["eager", "fused"])
-def path(request):
-    """Each loss path, as a function of the chunk size: ChunkedLoss, and FusedLoss run eagerly
-    (compiled: tests/test_compile.py and the 2-rank check below)."""
-    return FusedLoss if request.param == "fused" else ChunkedLoss
-
-
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("chunk", [7, 48, 4096])  # uneven last chunk; one chunk per row; one in all
 @pytest.mark.parametrize("tie", [True, False])
-def test_loss_and_gradients_equal_the_plain_path(reduction, chunk, tie, path):
+def test_loss_and_gradients_equal_the_plain_path(reduction, chunk, tie):
     torch.manual_seed(0)
     model = GPT(tiny(tie_embeddings=tie))
     with torch.no_grad():  # make the padding rows of the head dominate if they were not masked
@@ -70,7 +70,8 @@ def test_loss_and_gradients_equal_the_plain_path(reduction, chunk, tie, path):
     upstream = torch.rand(targets_BT.shape) if reduction == "none" else None
     ref, ref_grads = loss_and_grads(model, lambda: plain_loss(model, idx_BT, targets_BT, reduction), upstream)
     got, grads = loss_and_grads(
-        model, lambda: model(idx_BT, targets_BT, reduction=reduction, loss_fn=path(chunk)), upstream)
+        model, lambda: model(idx_BT, targets_BT, reduction=reduction, loss_fn=ChunkedLoss(chunk)),
+        upstream)
     assert got.dtype == torch.float32 and got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=2e-5 if reduction == "sum" else 1e-6)
     for name, g in grads.items():
@@ -81,25 +82,66 @@ def test_loss_and_gradients_equal_the_plain_path(reduction, chunk, tie, path):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_a_head_without_padding_columns_equals_the_plain_path(reduction, path):
-    """vocab_size a multiple of 64: no padded column, so FusedLoss builds no padding mask."""
+def test_a_head_without_padding_columns_equals_the_plain_path(reduction):
+    """vocab_size a multiple of 64: no padded column, and a target in the last column."""
     torch.manual_seed(0)
     model = GPT(tiny(vocab_size=1024))
     assert model.cfg.padded_vocab_size == 1024
     g = torch.Generator().manual_seed(1)
     idx_BT, targets_BT = torch.randint(0, 1024, (2, 3, 16), generator=g)
-    targets_BT[:, -1] = 1023  # the last column: a target where a mask would have cut nothing
+    targets_BT[:, -1] = 1023
     upstream = torch.rand(targets_BT.shape) if reduction == "none" else None
     ref, ref_grads = loss_and_grads(model, lambda: plain_loss(model, idx_BT, targets_BT, reduction), upstream)
     got, grads = loss_and_grads(
-        model, lambda: model(idx_BT, targets_BT, reduction=reduction, loss_fn=path(7)), upstream)
+        model, lambda: model(idx_BT, targets_BT, reduction=reduction, loss_fn=ChunkedLoss(7)), upstream)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def head_operands(seed=0, B=2, T=24, D=16, V=72):
+    g = torch.Generator().manual_seed(seed)
+    h_BTD = (torch.randn(B, T, D, generator=g) * 2).requires_grad_()
+    w_VD = torch.randn(V, D, generator=g).requires_grad_()
+    return h_BTD, w_VD
+
+
+def grads_of(loss_fn, h_BTD, w_VD, upstream):
+    loss = loss_fn()
+    return loss.detach(), torch.autograd.grad((loss * upstream).sum(), (h_BTD, w_VD))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("chunk", [5, None])
+def test_softcap_equals_capping_the_full_logits(reduction, chunk):
+    """softcap c: cross-entropy of c·tanh(logits / c) (Gemma 2's cap), computed the plain way
+    for the reference; the padded columns (64-71) still get no mass and no gradient."""
+    cap, vocab = 3.0, 64
+    h_BTD, w_VD = head_operands()
+    targets_BT = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(2))
+    targets_BT[1, :4] = -100
+    upstream = torch.rand(targets_BT.shape) if reduction == "none" else 1.0
+
+    def plain():
+        logits_NV = (h_BTD @ w_VD[:vocab].T).flatten(0, 1)
+        loss = F.cross_entropy(cap * torch.tanh(logits_NV / cap), targets_BT.flatten(),
+                               reduction=reduction)
+        return loss.view(targets_BT.shape) if reduction == "none" else loss
+
+    ref, ref_grads = grads_of(plain, h_BTD, w_VD, upstream)
+    got, grads = grads_of(lambda: ChunkedLoss(chunk)(h_BTD, w_VD, targets_BT, vocab, reduction,
+                                                     softcap=cap), h_BTD, w_VD, upstream)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    assert grads[1][vocab:].abs().max() == 0
+    # The cap changes the numbers: the check compares two different losses without it.
+    uncapped = ChunkedLoss(chunk)(h_BTD, w_VD, targets_BT, vocab, reduction)
+    assert (uncapped.detach() - ref).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_a_target_whose_probability_underflows_gets_the_exact_loss(reduction, path):
+def test_a_target_whose_probability_underflows_gets_the_exact_loss(reduction):
     """A diverging run's logits can put a target's probability below fp32's smallest normal (a
     loss over 87 nats): there -log p is inf (p = 0) or rounded (p subnormal), yet the loss and its
     gradient must still be cross-entropy's."""
@@ -117,12 +159,9 @@ def test_a_target_whose_probability_underflows_gets_the_exact_loss(reduction, pa
                                reduction=reduction)
         return loss.view(targets_BT.shape) if reduction == "none" else loss
 
-    def loss_and_grads_of(loss_fn):
-        loss = loss_fn()
-        return loss.detach(), torch.autograd.grad((loss * upstream).sum(), (h_BTD, w_VD))
-
-    ref, ref_grads = loss_and_grads_of(plain)
-    got, grads = loss_and_grads_of(lambda: path(2)(h_BTD, w_VD, targets_BT, vocab, reduction))
+    ref, ref_grads = grads_of(plain, h_BTD, w_VD, upstream)
+    got, grads = grads_of(lambda: ChunkedLoss(2)(h_BTD, w_VD, targets_BT, vocab, reduction),
+                          h_BTD, w_VD, upstream)
     assert torch.isfinite(got).all()
     if reduction == "none":
         assert got[0, 5] > 1000 and got[0, 0] > 90
@@ -147,13 +186,13 @@ class LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
-def test_never_builds_the_full_logits_nor_their_gradient(reduction, path):
+def test_never_builds_the_full_logits_nor_their_gradient(reduction):
     torch.manual_seed(0)
     model = GPT(tiny())
     B, T, V = 4, 32, model.cfg.padded_vocab_size
     idx_BT, targets_BT = batch(B, T)
     with LargestTensor() as seen:
-        model(idx_BT, targets_BT, reduction=reduction, loss_fn=path(8)).sum().backward()
+        model(idx_BT, targets_BT, reduction=reduction, loss_fn=ChunkedLoss(8)).sum().backward()
     # The largest tensors left are the head weight and its gradient (V×D), or a chunk's logits.
     assert seen.numel <= max(8 * V, V * model.cfg.d_model) < B * T * V, (seen.numel, B * T * V)
     with LargestTensor() as seen_plain:  # the check can fail: the plain path trips it
@@ -163,90 +202,21 @@ def test_never_builds_the_full_logits_nor_their_gradient(reduction, path):
 
 def test_chunk_size_follows_the_vocabulary_and_splits_evenly():
     """Unset, a chunk is at most ELEMS // V tokens, the chunks as even as that allows (2,048
-    tokens at V 50,304 within 2^23: 13 chunks of <= 158, not 12 of 166 and one of 56); at V
-    1,024 a 4x32 batch is one chunk."""
-    most = loss_module.EAGER_CHUNK_ELEMS // 50304
-    assert loss_module.chunk_tokens(50304) == most and loss_module.chunk_tokens(2**30) == 1
-    chunk = loss_module.chunk_tokens(50304, 2048)
+    tokens at V 50,304 within 2^23: 13 chunks of <= 158, not 12 of 166 and one of 56); within
+    CUDA's 2^27, or at V 1,024 on CPU, a batch is one chunk."""
+    most = CHUNK_ELEMS["cpu"] // 50304
+    assert chunk_tokens(50304) == most and chunk_tokens(2**30) == 1
+    chunk = chunk_tokens(50304, 2048)
     n_chunks = -(-2048 // chunk)
-    assert chunk <= most and n_chunks == -(-2048 // most) and 2048 - (n_chunks - 1) * chunk > chunk - n_chunks
-    assert loss_module.chunk_tokens(50304, 2048, loss_module.FUSED_CHUNK_ELEMS) == 512
+    assert (chunk, n_chunks) == (158, 13) and n_chunks == -(-2048 // most)
+    assert 2048 - (n_chunks - 1) * chunk > chunk - n_chunks  # the last chunk is not short
+    assert chunk_tokens(50304, 2048, CHUNK_ELEMS["cuda"]) == 2048
     torch.manual_seed(0)
     model = GPT(tiny())
     idx_BT, targets_BT = batch(4, 32)
     with LargestTensor() as seen:
-        model(idx_BT, targets_BT, loss_fn=FusedLoss()).backward()
+        model(idx_BT, targets_BT, loss_fn=ChunkedLoss()).backward()
     assert seen.numel >= 4 * 32 * model.cfg.padded_vocab_size  # one chunk: the whole logits
-
-
-class FreshLogitsBuffers(TorchDispatchMode):
-    """Counts the tensors of width V an op allocates (not views, not written in place or via out=)."""
-
-    def __init__(self, V):
-        super().__init__()
-        self.V, self.count = V, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        storage = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values())
-                   if isinstance(t, torch.Tensor)}  # views and in-place / out= results share one
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.V
-                    and t.untyped_storage().data_ptr() not in storage):
-                self.count += 1
-        return out
-
-
-@pytest.mark.parametrize("reduction, passes", [("sum", 1), ("none", 2)])
-def test_chunks_reuse_their_buffers_whatever_their_number(reduction, passes):
-    """A fresh C×V tensor per chunk costs page faults, memory traffic and heap holes on CPU:
-    every eager chunk writes its probabilities and gradient into one buffer allocated once
-    per pass (forward; and the per-token backward, which recomputes), and its logits into
-    another. (Compiled, FusedLoss's buffers are inductor's to plan.)"""
-    torch.manual_seed(0)
-    model = GPT(tiny())
-    V = model.cfg.padded_vocab_size
-    idx_BT, targets_BT = batch(4, 32)  # 16 chunks
-    with FreshLogitsBuffers(V) as seen:
-        model(idx_BT, targets_BT, reduction=reduction, loss_fn=ChunkedLoss(8)).sum().backward()
-    assert seen.count == 2 * passes, seen.count
-    with FreshLogitsBuffers(V) as seen_plain:  # the counter sees the plain path's logits
-        plain_loss(model, idx_BT, targets_BT, "sum").backward()
-    assert seen_plain.count >= 2
-
-
-def whole_casts(shape, run) -> int:
-    """How many times run() casts a tensor of `shape` to another dtype, also inside an op (an
-    in-place add of a bf16 operand into fp32 on CPU casts the operand first)."""
-    from torch.profiler import profile
-
-    with profile(record_shapes=True) as prof:
-        run()
-    return sum(e.name == "aten::_to_copy" and list(e.input_shapes[0]) == list(shape)
-               for e in prof.events())
-
-
-def test_bf16_head_gradient_adds_up_without_casting_it_whole_per_chunk(monkeypatch):
-    """Under bf16 autocast each chunk's head gradient is a bf16 V×D product added into the fp32
-    sum. Added whole, CPU first casts all of it to a fresh fp32 V×D tensor, every chunk (51 MB
-    at GPT-2's vocabulary, page-faulted in each time); added by blocks, only the blocks are
-    cast, and a step's whole V×D casts do not grow with the number of chunks."""
-    monkeypatch.setattr(loss_module, "ADD_BLOCK_ELEMS", 64 * 32)  # blocks of 64 rows at D 32
-    torch.manual_seed(0)
-    model = GPT(tiny())
-    shape = (model.cfg.padded_vocab_size, model.cfg.d_model)
-    idx_BT, targets_BT = batch(4, 32)
-
-    def step(chunk):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx_BT, targets_BT, loss_fn=ChunkedLoss(chunk))
-        loss.backward()
-
-    casts = {chunk: whole_casts(shape, lambda c=chunk: step(c)) for chunk in (64, 8)}  # 2, 16 chunks
-    assert casts[8] == casts[64], casts
-    added_whole = whole_casts(shape, lambda: torch.zeros(shape).add_(torch.ones(shape).bfloat16()))
-    assert added_whole == 2  # the counter sees the cast inside add_ (and the one asked for)
 
 
 def exact_token_losses(model: GPT, idx_BT, targets_BT) -> torch.Tensor:
@@ -263,19 +233,88 @@ BF16_TOKEN_TOL, BF16_MEAN_TOL = 5e-3, 5e-4
 
 
 @pytest.mark.parametrize("chunk", [16, None])  # chunked; logits of one chunk
-@pytest.mark.parametrize("loss_fn", [ChunkedLoss, FusedLoss])
-def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk, loss_fn):
+def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk):
     torch.manual_seed(0)
     model = GPT(tiny())
     idx_BT, targets_BT = batch(4, 32)
     exact_BT = exact_token_losses(model, idx_BT, targets_BT)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got_BT = model(idx_BT, targets_BT, reduction="none", loss_fn=loss_fn(chunk))
-        mean = model(idx_BT, targets_BT, loss_fn=loss_fn(chunk))
+        got_BT = model(idx_BT, targets_BT, reduction="none", loss_fn=ChunkedLoss(chunk))
+        mean = model(idx_BT, targets_BT, loss_fn=ChunkedLoss(chunk))
     assert got_BT.dtype == mean.dtype == torch.float32
     assert (got_BT.double() - exact_BT).abs().max() < BF16_TOKEN_TOL
     valid_BT = targets_BT != -100
     assert abs(mean.double() - exact_BT[valid_BT].mean()) < BF16_MEAN_TOL
+
+
+def test_bf16_autocast_gradients_are_as_close_to_fp64_as_the_full_logits_ones():
+    """Under autocast the chunk's gradient is cast to bf16 for the two head products, as the
+    full path's backward computes them in bf16: the head's gradients (h's, w's) stay within a
+    couple of bf16 steps of the fp64 gradients, as close as the full path's."""
+    torch.manual_seed(0)
+    h_BTD, w_VD = head_operands(T=48, D=32, V=1024)
+    targets_BT = torch.randint(0, V_REAL, (2, 48), generator=torch.Generator().manual_seed(3))
+    h64_BTD, w64_VD = (t.detach().double().requires_grad_() for t in (h_BTD, w_VD))
+    _, exact = grads_of(lambda: cross_entropy(h64_BTD, w64_VD, targets_BT, V_REAL), h64_BTD,
+                        w64_VD, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, full = grads_of(lambda: cross_entropy(h_BTD, w_VD, targets_BT, V_REAL), h_BTD, w_VD, 1.0)
+        _, chunked = grads_of(lambda: ChunkedLoss(16)(h_BTD, w_VD, targets_BT, V_REAL), h_BTD,
+                              w_VD, 1.0)
+    for name, c, f, x in zip(("h", "w"), chunked, full, exact):
+        scale = x.abs().max().item()
+        err_chunked, err_full = (c.double() - x).abs().max().item(), (f.double() - x).abs().max().item()
+        assert err_chunked <= max(2 * err_full, 2 * 2**-8 * scale), (name, err_chunked, err_full)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_the_loss_compiled_alone_equals_eager_without_recompiles(reduction):
+    """build_loss(compile_alone=True): FSDP2's compiled loss region (the whole model compiled
+    with the loss in its graph: tests/test_compile.py). Several chunks, the last one short;
+    training's call and eval's (no grad) each build one graph, and a second call none."""
+    from pipeline.parallel.parallelize import compiled_graphs
+
+    torch._dynamo.reset()
+    loss_fn = torch.compile(ChunkedLoss(10), dynamic=False)
+    h_BTD, w_VD = head_operands()
+    targets_BT = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(4))
+    targets_BT[0, :3] = -100
+    upstream = torch.rand(targets_BT.shape) if reduction == "none" else 1.0
+    ref, ref_grads = grads_of(lambda: ChunkedLoss(10)(h_BTD, w_VD, targets_BT, 64, reduction),
+                              h_BTD, w_VD, upstream)
+    before, built = compiled_graphs(), []
+    for _ in range(2):
+        got, grads = grads_of(lambda: loss_fn(h_BTD, w_VD, targets_BT, 64, reduction), h_BTD,
+                              w_VD, upstream)
+        with torch.no_grad():
+            evaluated = loss_fn(h_BTD, w_VD, targets_BT, 64, reduction)
+        built.append(compiled_graphs() - before)
+    assert built == [2, 2], built
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(evaluated, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("requested, device, tokens, expected", [
+    ("full", "cpu", 8 * 256, "full"),  # an explicit choice is kept anywhere
+    ("chunked", "cuda", 8 * 256, "chunked"),
+    ("auto", "cpu", 8 * 256, "chunked"),
+    ("auto", "cuda", 8 * 256, "full"),
+    ("auto", "cuda", FULL_LOGITS_MAX_ELEMS // 1024, "full"),  # exactly at the limit
+    ("auto", "cuda", FULL_LOGITS_MAX_ELEMS // 1024 + 1, "chunked"),  # one token past it
+])
+def test_auto_loss_is_full_on_cuda_below_the_logits_limit_and_chunked_on_cpu(
+        requested, device, tokens, expected):
+    assert resolve_loss(requested, torch.device(device), 1024, tokens) == expected
+
+
+def test_build_loss_gives_each_device_its_chunk_and_compiles_only_when_alone():
+    assert build_loss("full", torch.device("cpu")) is cross_entropy
+    for device in ("cpu", "cuda"):
+        assert build_loss("chunked", torch.device(device)) == ChunkedLoss(elems=CHUNK_ELEMS[device])
+    alone = build_loss("chunked", torch.device("cpu"), compile_alone=True)
+    assert not isinstance(alone, ChunkedLoss) and callable(alone)  # torch.compile's wrapper
 
 
 # ---- 2 ranks, gloo: DDP and FSDP2 (fp32, bf16, compiled) -----------------------------------------
@@ -283,10 +322,10 @@ def test_bf16_autocast_loss_is_fp32_and_close_to_exact(chunk, loss_fn):
 
 def dist_worker(out_path: str) -> None:
     """Each rank: the loss and gradients of its half of a batch, under DDP, FSDP2, FSDP2 bf16 and
-    compiled DDP / FSDP2 (whole model with the fused loss in its graph / per-block units and the
-    fused loss compiled alone); rank 0 writes the largest differences from the plain
+    compiled DDP / FSDP2 (whole model with the chunked loss in its graph / per-block units and
+    the loss compiled alone); rank 0 writes the largest differences from the plain
     single-process path."""
-    from pipeline.distributed import distributed
+    from pipeline.parallel.distributed import distributed
 
     with distributed("cpu") as info:
         out = dist_results(info)
@@ -300,7 +339,7 @@ def dist_results(info) -> dict:
 
     from torch.distributed.tensor import DTensor
 
-    from pipeline.parallelize import Precision, parallelize
+    from pipeline.parallel.parallelize import Precision, parallelize
 
     cfg = tiny()
     idx_BT, targets_BT = batch(4, 32)
@@ -317,9 +356,11 @@ def dist_results(info) -> dict:
         model = GPT(cfg)
         precision = Precision(torch.bfloat16 if bf16 else torch.float32, info.device)
         pm = parallelize(model, info, parallel=parallel, precision=precision,
-                         compile_model=compiled, activation_checkpointing=False)
-        # The loss parallelize selects, by chunks of 16 tokens (4 chunks of this rank's 64).
-        pm = replace(pm, head_loss=select_loss(compiled, parallel != "fsdp", chunk=16))
+                         compile_model=compiled, activation_checkpointing=False, loss="chunked")
+        # As parallelize builds it, by chunks of 16 tokens (4 chunks of this rank's 64).
+        alone = compiled and parallel == "fsdp"
+        head_loss = ChunkedLoss(16)
+        pm = replace(pm, head_loss=torch.compile(head_loss, dynamic=False) if alone else head_loss)
         loss_BT = pm.loss(idx_BT[mine], targets_BT[mine], reduction="none")
         loss_BT.sum().backward()
         name = parallel + ("_bf16" if bf16 else "") + ("_compiled" if compiled else "")
@@ -358,19 +399,6 @@ def test_ddp_and_fsdp_two_ranks_eager_and_compiled_equal_plain_path_and_bf16_los
     assert got["fsdp_bf16"]["dtype"] == "torch.float32", got
     assert got["fsdp_bf16"]["token_err"] < BF16_TOKEN_TOL, got
     assert got["fsdp_bf16"]["mean_err"] < BF16_MEAN_TOL, got
-
-
-@pytest.mark.parametrize("n_columns", [loss_module.EXACT_FLOAT_INDEX,
-                                       loss_module.EXACT_FLOAT_INDEX + 1])
-def test_chunk_columns_hold_every_index_exactly(n_columns):
-    """The fused loss compares columns and targets in column_dtype: fp32 while it holds every
-    index (2^24 + 1 would round to 2^24 in fp32), int32 beyond."""
-    targets_C = torch.tensor([0, n_columns - 2, n_columns - 1])
-    dtype = loss_module.column_dtype(n_columns)
-    assert dtype == (torch.float32 if n_columns <= 2**24 else torch.int32)
-    safe_C, cols_V = torch.ops.lmforge.chunk_columns(targets_C, n_columns, dtype)
-    assert torch.equal(cols_V.long(), torch.arange(n_columns))
-    assert torch.equal(safe_C.long(), targets_C) and torch.equal(cols_V[safe_C.long()], safe_C)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 
 from data_prep.errors import DataError
 from data_prep.shards import FORMAT_VERSION, Manifest, ShardInfo, shard_name, write_shard
-from pipeline.data import TokenWindows, TrainLoader
+from pipeline.data.loader import TokenWindows, TrainLoader
 
 VOCAB = 100_000  # above every position, so token ids can equal positions
 SEQ = 8

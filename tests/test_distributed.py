@@ -27,7 +27,7 @@ from bench.runs import (
     train_cmd,
     wait_for_step,
 )
-from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import format as ckpt
 from tests.conftest import LAYOUT_STEPS, layout_args
 
 pytestmark = pytest.mark.dist

@@ -76,7 +76,7 @@ def test_eval_perplexity_is_exp_of_logged_val_loss(pipeline_run, final_eval):
 
 def test_export_gives_the_same_loss_in_transformers(pipeline_run, final_eval):
     transformers = pytest.importorskip("transformers")
-    from pipeline.data import IGNORE_INDEX, TokenWindows
+    from pipeline.data.loader import IGNORE_INDEX, TokenWindows
     from pipeline.evaluate import eval_batches
 
     p, ours = pipeline_run, final_eval

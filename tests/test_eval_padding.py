@@ -9,7 +9,7 @@ import json
 import pytest
 
 from launch.cli import main as lmforge
-from pipeline.data import IGNORE_INDEX, TokenWindows
+from pipeline.data.loader import IGNORE_INDEX, TokenWindows
 from pipeline.evaluate import eval_batches
 from tests.test_eval_sample_export import SEQ_LEN, make_checkpoint
 

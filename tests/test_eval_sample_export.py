@@ -16,9 +16,9 @@ from launch.cli import main as lmforge
 from launch.export import EXPORT_MARKER
 from launch.sample import decode_stream
 from model import GPT, ModelConfig
-from pipeline.checkpoint import CheckpointMeta, save_consolidated
+from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
 from pipeline.config import config_from_dict
-from pipeline.data import IGNORE_INDEX, TokenWindows
+from pipeline.data.loader import IGNORE_INDEX, TokenWindows
 from pipeline.evaluate import eval_batches
 from tests.errors import cli_error
 

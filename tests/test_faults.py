@@ -20,7 +20,7 @@ from bench.runs import (
     wait_for_step,
     wait_until,
 )
-from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import format as ckpt
 from pipeline.inference import load_for_inference
 
 pytestmark = pytest.mark.dist

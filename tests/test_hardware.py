@@ -1,33 +1,30 @@
-"""pipeline.hardware (dtype auto, the bf16 probe, the MFU peak, CUDA settings) and lmforge env.
+"""pipeline.hardware (dtype auto by pipeline.cpu.machine's flag rule, the MFU peak, CUDA
+settings) and lmforge env.
 
-The probe's answer is forced both ways (LMFORGE_CPU_BF16, or a patched measurement), so the
-choice and its messages are checked on any CPU, with or without AVX512-BF16."""
+The CPU's flags are faked (or the answer forced with LMFORGE_CPU_BF16), so the choice and its
+messages are checked on any CPU, with or without AVX512-BF16."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
+import platform
 
 import pytest
 import torch
 
-from bench.common import ROOT
 from bench.runs import TINY_ARGS, metrics
 from launch import envinfo
-from pipeline import attention, hardware
+from pipeline import hardware
 from pipeline.config import ConfigError
+from pipeline.cpu import machine
 from pipeline.metrics import setup_logging
+from tests.errors import cli_error
 
 
 @pytest.fixture(autouse=True)
-def fresh_probe(monkeypatch):
-    monkeypatch.delenv(hardware.FORCE_ENV, raising=False)
-    hardware.cpu_bf16.cache_clear()
-    yield
-    hardware.cpu_bf16.cache_clear()
+def unforced(monkeypatch):
+    monkeypatch.delenv(machine.FORCE_ENV, raising=False)
 
 
 @pytest.fixture
@@ -41,79 +38,71 @@ def lines(caplog):
 
 
 def force(monkeypatch, kind: str) -> None:
-    monkeypatch.setenv(hardware.FORCE_ENV, kind)
-    hardware.cpu_bf16.cache_clear()
+    monkeypatch.setenv(machine.FORCE_ENV, kind)
 
 
-def fake_cpu(monkeypatch, flags: set[str], bf16_flops: float, fp32_flops: float) -> None:
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(hardware, "measure_bf16_fp32", lambda: (bf16_flops, fp32_flops))
+def fake_flags(monkeypatch, *flags: str) -> None:
+    monkeypatch.setattr(machine, "cpu_flags", lambda: set(flags))
 
 
 CPU = torch.device("cpu")
+EMULATED = "this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag: bf16 is emulated)"
 
 
-@pytest.mark.parametrize("kind,expected", [("native", torch.bfloat16), ("emulated", torch.float32)])
-def test_forced_probe_decides_auto(monkeypatch, lines, kind, expected):
+@pytest.mark.parametrize("flags, expected, why", [
+    (("avx2", "fma"), torch.float32, EMULATED),
+    (("avx2", "avx512f"), torch.float32, EMULATED),  # AVX-512 without its BF16 extension
+    (("avx512f", "avx512_bf16"), torch.bfloat16, "natively (avx512_bf16)"),
+    (("avx512f", "amx_tile", "amx_bf16"), torch.bfloat16, "natively (amx_bf16)"),
+    (("asimd", "bf16"), torch.bfloat16, "natively (bf16)"),  # Arm's BF16 extension
+])
+def test_auto_follows_the_cpu_flags_and_says_why_in_one_line(monkeypatch, lines, flags, expected,
+                                                             why):
+    fake_flags(monkeypatch, *flags)
+    assert hardware.resolve_dtype("auto", CPU) == expected
+    (line,) = lines()
+    assert line.startswith(f"dtype auto -> {hardware.dtype_name(expected)}: ") and why in line
+
+
+@pytest.mark.parametrize("kind, flags, expected", [
+    ("native", ("avx2",), torch.bfloat16),
+    ("emulated", ("avx512f", "avx512_bf16"), torch.float32),
+    (" Native ", ("avx2",), torch.bfloat16),  # as typed: case and spaces do not matter
+])
+def test_the_env_variable_forces_the_answer_against_the_flags(monkeypatch, lines, kind, flags,
+                                                              expected):
+    fake_flags(monkeypatch, *flags)
     force(monkeypatch, kind)
     assert hardware.resolve_dtype("auto", CPU) == expected
     (line,) = lines()
-    assert line.startswith(f"dtype auto -> {hardware.dtype_name(expected)}: ")
-    assert f"forced by LMFORGE_CPU_BF16={kind}" in line
+    assert line == (f"dtype auto -> {hardware.dtype_name(expected)}: forced by "
+                    f"LMFORGE_CPU_BF16={kind.strip().lower()}")
 
 
-def test_measured_emulated_cpu_says_why(monkeypatch, lines):
-    fake_cpu(monkeypatch, {"avx2", "fma"}, 0.3e9, 160e9)
-    assert hardware.resolve_dtype("auto", CPU) == torch.float32
-    assert lines() == ["dtype auto -> fp32: this CPU has no native bf16 (no avx512_bf16/amx_bf16 "
-                       "flag; bf16 matmul 0.3 GFLOP/s vs fp32 160)"]
-
-
-def test_measured_native_cpu_picks_bf16_only_when_faster(monkeypatch, lines):
-    fake_cpu(monkeypatch, {"avx512f", "avx512_bf16"}, 260e9, 160e9)
-    assert hardware.resolve_dtype("auto", CPU) == torch.bfloat16
-    assert "natively (bf16 matmul 260 GFLOP/s vs fp32 160)" in lines()[-1]
-    # The flag alone is not enough: bf16 must also be measured faster here.
-    hardware.cpu_bf16.cache_clear()
-    fake_cpu(monkeypatch, {"avx512f", "avx512_bf16"}, 100e9, 160e9)
-    assert hardware.resolve_dtype("auto", CPU) == torch.float32
-
-
-def test_auto_chooses_per_workload_and_says_so_in_one_line(monkeypatch, lines):
-    """Training and eval run big products (bf16 wins on a native CPU); sampling decodes a few
-    rows per step, probed apart: where bf16 loses there, sampling runs in fp32."""
-    fake_cpu(monkeypatch, {"avx512f", "avx512_bf16"}, 260e9, 160e9)
-    monkeypatch.setattr(hardware, "measure_decode_bf16_fp32", lambda: (20e9, 40e9))
+def test_auto_says_which_workload_it_chose_for(monkeypatch, lines):
+    fake_flags(monkeypatch, "avx512_bf16")
     assert hardware.resolve_dtype("auto", CPU, "train") == torch.bfloat16
     assert hardware.resolve_dtype("auto", CPU, "eval") == torch.bfloat16
-    assert hardware.resolve_dtype("auto", CPU, "sample") == torch.float32
-    train, eval_, sample = lines()
-    assert train.startswith("dtype auto -> bf16: ") and eval_.startswith("dtype auto -> bf16 for eval: ")
-    assert sample == ("dtype auto -> fp32 for sampling: this CPU decodes faster in fp32 "
-                      "(bf16 decode step 20 GFLOP/s vs fp32 40)")
-    hardware.cpu_bf16.cache_clear()
-    monkeypatch.setattr(hardware, "measure_decode_bf16_fp32", lambda: (60e9, 40e9))
     assert hardware.resolve_dtype("auto", CPU, "sample") == torch.bfloat16
+    train, eval_, sample = lines()
+    assert train.startswith("dtype auto -> bf16: ")
+    assert eval_.startswith("dtype auto -> bf16 for eval: ")
+    assert sample.startswith("dtype auto -> bf16 for sampling: ")
     with pytest.raises(ValueError, match="workload"):
         hardware.resolve_dtype("auto", CPU, "decode")
 
 
-def test_real_decode_probe_measures_both_dtypes():
-    bf16, fp32 = hardware.measure_decode_bf16_fp32()
-    assert bf16 > 0 and fp32 > 0
-
-
-def test_explicit_bf16_on_emulating_cpu_runs_with_one_warning(monkeypatch, lines):
-    fake_cpu(monkeypatch, {"avx2"}, 0.3e9, 160e9)
-    assert hardware.resolve_dtype("bf16", CPU) == torch.bfloat16
+@pytest.mark.parametrize("workload, flag", [("train", "--train.dtype auto"),
+                                            ("sample", "--dtype auto")])
+def test_explicit_bf16_on_emulating_cpu_runs_with_one_warning(monkeypatch, lines, workload, flag):
+    fake_flags(monkeypatch, "avx2")
+    assert hardware.resolve_dtype("bf16", CPU, workload) == torch.bfloat16
     (line,) = lines()
-    assert "without native bf16" in line and "~533x slower than fp32" in line
-    assert "--train.dtype auto" in line
+    assert "without native bf16" in line and "~400x slower than fp32" in line and flag in line
 
 
-def test_explicit_dtypes_need_no_probe(monkeypatch, lines):
-    monkeypatch.setattr(hardware, "measure_bf16_fp32", lambda: pytest.fail("probe ran"))
-    force(monkeypatch, "native")
+def test_explicit_dtypes_on_a_native_cpu_are_taken_as_configured(monkeypatch, lines):
+    fake_flags(monkeypatch, "avx512_bf16")
     assert hardware.resolve_dtype("bf16", CPU) == torch.bfloat16
     assert hardware.resolve_dtype("fp32", CPU) == torch.float32
     assert lines() == ["dtype bf16: as configured", "dtype fp32: as configured"]
@@ -123,31 +112,18 @@ def test_bad_values_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match="auto, bf16 or fp32"):
         hardware.resolve_dtype("fp16", CPU)
     force(monkeypatch, "maybe")
-    with pytest.raises(ConfigError, match="LMFORGE_CPU_BF16"):
-        hardware.resolve_dtype("auto", CPU)
+    for requested in ("auto", "bf16"):  # explicit bf16 also asks the CPU (for its warning)
+        with pytest.raises(ConfigError, match="LMFORGE_CPU_BF16='maybe': use native or emulated"):
+            hardware.resolve_dtype(requested, CPU)
 
 
-def test_real_probe_agrees_with_the_cpu_flags():
-    probe = hardware.cpu_bf16()
-    assert probe.bf16_flops > 0 and probe.fp32_flops > 0
-    if not any(f in hardware.cpu_flags() for f in hardware._BF16_FLAGS):
-        assert not probe.native  # e.g. this project's AVX2-only CI machine
-    assert hardware.cpu_bf16() is probe  # cached per process
-
-
-def test_avx2_proxy_runs_as_the_avx2_kind(tmp_path):
-    """bench/avx2_proxy.sh: ATen in AVX2, bf16 emulated (so auto = fp32), inductor's own cache."""
-    code = ("import os, torch; from pipeline import hardware; "
-            "print(torch.backends.cpu.get_cpu_capability(), hardware.cpu_bf16().native, "
-            "os.environ['TORCHINDUCTOR_CACHE_DIR'])")
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
-                                                           hardware.FORCE_ENV)}
-    out = subprocess.run(["bash", str(ROOT / "bench" / "avx2_proxy.sh"), sys.executable, "-c",
-                          code], env={**env, "TMPDIR": str(tmp_path)}, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=True).stdout
-    capability, native, cache = out.split()
-    assert (capability, native) == ("AVX2", "False")
-    assert cache.startswith(str(tmp_path / "torchinductor_avx2_"))
+def test_the_real_flags_decide_on_this_cpu(lines):
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert "sse2" in machine.cpu_flags()  # /proc/cpuinfo was read, not an empty set
+    native = bool(machine.cpu_flags() & set(machine.BF16_FLAGS))
+    expected = torch.bfloat16 if native else torch.float32  # fp32 on this project's AVX2 kind
+    assert hardware.resolve_dtype("auto", CPU) == expected
+    assert "forced" not in lines()[0]
 
 
 def test_cuda_auto_is_bf16_where_supported(monkeypatch, lines):
@@ -172,16 +148,18 @@ def test_cpu_peak_is_plausible_and_cached():
 
 
 def test_cpu_peak_fresh_measures_again(monkeypatch):
-    rates = iter([10e9, 20e9] * len(hardware._CPU_SIZES))
-    monkeypatch.setattr(hardware, "_matmul_rate", lambda n, dtype, **kw: next(rates))
-    monkeypatch.setattr(hardware, "_CPU_SIZES", (256,))
+    rates = iter([10e9, 20e9])
+    monkeypatch.setattr(machine, "_matmul_rate", lambda n, dtype, **kw: next(rates))
+    monkeypatch.setattr(machine, "_SIZES", (256,))
     hardware._peak.cache_clear()
+    machine.cpu_peak.cache_clear()
     try:
         assert hardware.matmul_peak(CPU, torch.float32) == 10e9
         assert hardware.matmul_peak(CPU, torch.float32) == 10e9
         assert hardware.matmul_peak(CPU, torch.float32, fresh=True) == 20e9
     finally:
         hardware._peak.cache_clear()
+        machine.cpu_peak.cache_clear()
 
 
 @pytest.mark.parametrize("name,dtype,expected", [
@@ -236,7 +214,7 @@ def test_training_mfu_uses_the_computed_dtype_and_stays_below_one(
     assert len(mfus) == 3 and all(m > 0 for m in mfus), mfus
     # MFU <= 100 % holds where the forced answer is this CPU's real one. Forcing "native" on a CPU
     # that emulates bf16 measures the emulated kernel's peak, which autocast's own kernels can beat.
-    real_native = bool(hardware.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    real_native = bool(machine.cpu_flags() & set(machine.BF16_FLAGS))
     if (kind == "native") == real_native:
         assert all(m <= 1 for m in mfus), mfus
     assert f"dtype={hardware.dtype_name(expected)}" in (run / "train.log").read_text()
@@ -256,28 +234,35 @@ def test_pinned_copies_only_for_cuda():
 
 
 def test_env_text_and_json(monkeypatch, capsys):
-    force(monkeypatch, "emulated")
+    fake_flags(monkeypatch, "avx2", "fma")
     assert envinfo.main([]) == 0
     text = capsys.readouterr().out
-    assert "auto dtype   fp32 on cpu: this CPU has no native bf16" in text
-    for key in ("torch", "cpu isa", "cpu bf16     emulated", "matmul peak  fp32", "distributed",
-                "gloo yes", "transformers", "tiktoken", "auto compile on cpu when",
-                "auto attention ", "fp32 measured sdpa"):  # the demo's shape, timed in fp32
+    for key in ("torch", "cpu isa", f"cpu bf16     emulated ({EMULATED})",
+                f"auto dtype   fp32 on cpu: {EMULATED}",
+                "auto compile off on cpu (on for CUDA, off for CPU)",
+                "auto attention sdpa at the demo's shape", "auto loss    chunked at the demo's",
+                "matmul peak  fp32", "distributed", "gloo yes", "transformers", "tiktoken"):
         assert key in text, key
 
     force(monkeypatch, "native")
-    # Forced native where bf16 may be emulated: its timing would be slow and say nothing.
-    monkeypatch.setattr(attention, "measure", lambda *a: {"sdpa": 2e-3, "eager": 1e-3})
     assert envinfo.main(["--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["auto"]["attention"]["choice"] == "eager"
-    assert "bf16 measured sdpa 2.0 ms, eager 1.0 ms" in info["auto"]["attention"]["why"]
     assert info["torch"]["version"] == torch.__version__
-    assert info["auto"]["dtype"] == "bf16" and info["cpu"]["bf16_native"] is True
+    assert info["cpu"]["bf16_native"] is True
+    assert info["cpu"]["bf16_evidence"] == "forced by LMFORGE_CPU_BF16=native"
+    assert {k: info["auto"][k] for k in ("device", "dtype", "compile", "attention", "loss")} == {
+        "device": "cpu", "dtype": "bf16", "compile": "off",
+        "attention": "eager",  # bf16 on a CPU at the demo's 256 tokens
+        "loss": "chunked"}
     assert set(info["auto"]["matmul_peak_gflops"]) == {"bf16", "fp32"}
     assert info["auto"]["matmul_peak_gflops"]["fp32"] > 2
     assert info["distributed"]["gloo"] is True
     assert set(info["packages"]) >= {"transformers", "datasets", "tiktoken", "accelerate", "wandb"}
+
+
+def test_env_with_a_bad_forcing_value_is_one_error_line(monkeypatch, capsys):
+    force(monkeypatch, "maybe")
+    cli_error(capsys, ["env"], "LMFORGE_CPU_BF16", "native or emulated")
 
 
 def test_env_is_a_registered_subcommand():

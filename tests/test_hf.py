@@ -199,7 +199,7 @@ def long_rope_export(tiny_data, tmp_path_factory):
     the inputs/outputs the transformers side must reproduce."""
     from data_prep.tokenizer import eot_id, load_tokenizer_dir
     from launch.cli import main as lmforge
-    from pipeline.checkpoint import CheckpointMeta, save_consolidated
+    from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
     from pipeline.config import JobConfig
 
     enc = load_tokenizer_dir(tiny_data / "tokenizer")

@@ -32,9 +32,9 @@ from data_prep.shards import (
     shard_name,
     write_shard,
 )
-from pipeline import checkpoint as ckpt
-from pipeline.data import Phase, Source, TokenWindows, TrainLoader
-from pipeline.rows import StreamRows
+from pipeline.checkpoint import format as ckpt
+from pipeline.data.loader import Phase, Source, TokenWindows, TrainLoader
+from pipeline.data.rows import StreamRows
 from tests.test_data_loader import SEQ, VOCAB, make_data
 
 

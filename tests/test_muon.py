@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 
 from bench.runs import losses, max_diff, run_args, train
 from model import GPT
-from pipeline import checkpoint as ckpt
-from pipeline.distributed import DistInfo
-from pipeline.optim import build_optimizer
-from pipeline.safe_dcp import SafeFileSystemReader, single_process_ok
+from pipeline.checkpoint import format as ckpt
+from pipeline.checkpoint.safe_dcp import SafeFileSystemReader, single_process_ok
+from pipeline.optim.optimizers import build_optimizer
+from pipeline.parallel.distributed import DistInfo
 
 pytestmark = pytest.mark.dist
 

@@ -12,8 +12,7 @@ import torch
 from bench.runs import TINY_ARGS, losses
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
-from pipeline.distributed import DistInfo
-from pipeline.optim import (
+from pipeline.optim.optimizers import (
     Muon,
     Optimizers,
     apply_schedule,
@@ -22,6 +21,7 @@ from pipeline.optim import (
     lr_multiplier,
     muon_momentum_at,
 )
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

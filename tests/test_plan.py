@@ -1,4 +1,4 @@
-"""`--dry-run` planning (pipeline/plan.py) checked against real runs on CPU.
+"""`--dry-run` planning (pipeline/parallel/plan.py) checked against real runs on CPU.
 
 Parameter, gradient and AdamW bytes must equal the tensors of a real run exactly, one process and
 FSDP2 on 2 gloo ranks (this file, run under torchrun, is the probe). Activations are compared with
@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bench.runs import ROOT, run
 from model import GPT, ModelConfig
-from pipeline.loss import EAGER_LOSS
-from pipeline.materialize import meta_gpt
-from pipeline.plan import activation_bytes, state_bytes
+from pipeline.loss import CHUNK_ELEMS, ChunkedLoss
+from pipeline.parallel.materialize import meta_gpt
+from pipeline.parallel.plan import activation_bytes, head_loss_bytes, planned_loss, state_bytes
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
 
@@ -53,7 +54,7 @@ def test_state_bytes_equal_a_real_single_process_run():
 def test_muon_state_bytes_equal_a_real_run():
     """optim.name = "muon": one momentum per block matrix, AdamW's two moments + step elsewhere."""
     from pipeline.config import OptimConfig
-    from pipeline.optim import build_optimizer, is_muon_matrix
+    from pipeline.optim.optimizers import build_optimizer, is_muon_matrix
 
     torch.manual_seed(0)
     model = GPT(SMALL)
@@ -92,7 +93,7 @@ def saved_for_backward(model: GPT, batch: int, bf16: bool) -> int:
     x = torch.randint(0, SMALL.vocab_size, (batch, SMALL.max_seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            model(x, x, reduction="sum", loss_fn=EAGER_LOSS)  # training's loss, not the full logits
+            model(x, x, reduction="sum", loss_fn=ChunkedLoss())  # the CPU run's loss: no logits kept
     return sum(storages.values())
 
 
@@ -111,6 +112,26 @@ def test_activation_estimate_within_25_percent(options, bf16):
     assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
 
 
+def test_head_loss_bytes_follow_the_loss_a_gpu_run_resolves():
+    """full: the logits in the compute dtype, their fp32 copy and log-probabilities; chunked: two
+    fp32 chunk x V buffers (chunks within CUDA's CHUNK_ELEMS) and the head's fp32 gradient."""
+    from pipeline.config import DataConfig, JobConfig, TrainConfig
+
+    model = meta_gpt(SMALL)
+    V, D = SMALL.padded_vocab_size, SMALL.d_model
+    assert head_loss_bytes(model, 512, "full", bf16=True) == 512 * V * (2 + 8)
+    assert head_loss_bytes(model, 512, "full", bf16=False) == 512 * V * (4 + 8)
+    assert head_loss_bytes(model, 512, "chunked", bf16=True) == 8 * 512 * V + 4 * V * D
+    many = 4 * CHUNK_ELEMS["cuda"] // V  # four chunks' worth: only one chunk is held
+    assert head_loss_bytes(model, many, "chunked", bf16=True) == 8 * (many // 4) * V + 4 * V * D
+    cfg = JobConfig(data=DataConfig(seq_len=64), train=TrainConfig(micro_batch_size=8))
+    assert planned_loss(cfg, SMALL) == "full"  # auto, as on a GPU
+    assert planned_loss(replace(cfg, train=replace(cfg.train, loss="chunked")), SMALL) == "chunked"
+    # 2^15 x 64 tokens x 1,024 columns: 2^31 logits, past what auto keeps whole on a GPU.
+    huge_batch = replace(cfg, train=replace(cfg.train, micro_batch_size=2**15))
+    assert planned_loss(huge_batch, SMALL) == "chunked"
+
+
 def test_dry_run_plans_without_starting_anything():
     res = run([sys.executable, "-m", "launch.cli", "train", "--nproc", "8", "--nnodes", "4",
                "--config", "configs/llama_350m.toml", "--dry-run", "--gpu", "H100",
@@ -118,6 +139,7 @@ def test_dry_run_plans_without_starting_anything():
     assert res.returncode == 0, res.stdout[-3000:]
     assert "4 node(s) x 8 H100 SXM = 32 GPUs" in res.stdout
     assert "FSDP2" in res.stdout and "s/step" in res.stdout
+    assert "LM-head loss (full)" in res.stdout  # train.loss = auto, resolved for the GPUs
     bad = run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/tiny.toml",
                "--dry-run", "--gpu", "Z80"], timeout=120)
     assert bad.returncode == 2 and "error: --gpu: unknown GPU 'Z80'" in bad.stdout
@@ -127,8 +149,8 @@ def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
     """FSDP2 + Muon: each matrix Muon owns is gathered whole (fp32) and scattered back per step;
     nothing extra for AdamW, DDP (every rank has whole matrices) or one process."""
     from pipeline.config import JobConfig, OptimConfig
-    from pipeline.optim import build_optimizer
-    from pipeline.plan import strategies
+    from pipeline.optim.optimizers import build_optimizer
+    from pipeline.parallel.plan import strategies
 
     cfg = JobConfig(optim=OptimConfig(name="muon"))
     model = meta_gpt(SMALL)
@@ -144,7 +166,7 @@ def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
 def _fsdp_probe() -> None:
     """Under torchrun: shard SMALL with FSDP2 on gloo, one AdamW step, print this rank's bytes
     (inside the pipeline's process-group lifetime, which frees the model before the group)."""
-    from pipeline.distributed import distributed
+    from pipeline.parallel.distributed import distributed
 
     with distributed("cpu") as info:
         _print_rank_bytes(info.rank)

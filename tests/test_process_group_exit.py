@@ -1,4 +1,4 @@
-"""How ranks leave the process group (pipeline.distributed.distributed), 2 processes on gloo.
+"""How ranks leave the process group (pipeline.parallel.distributed.distributed), 2 processes on gloo.
 
 A normal end holds every rank until the slowest is done, then destroys the group before the
 interpreter exits; an exception leaves without any collective, so a failing rank cannot
@@ -26,7 +26,7 @@ def worker(mode: str, out_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from pipeline.distributed import distributed
+    from pipeline.parallel.distributed import distributed
 
     record: dict = {}
     try:

@@ -15,9 +15,9 @@ from bench.runs import TINY_ARGS, metrics, run, train, train_cmd
 from data_prep.shards import load_manifest
 from model import GPT, ModelConfig
 from pipeline.config import OptimConfig, load_config
-from pipeline.data import TokenWindows, TrainLoader
-from pipeline.materialize import materialize, meta_gpt
-from pipeline.optim import build_optimizer
+from pipeline.data.loader import TokenWindows, TrainLoader
+from pipeline.optim.optimizers import build_optimizer
+from pipeline.parallel.materialize import materialize, meta_gpt
 
 STEPS, HALF = 8, 4
 # 4 sequences x 64 tokens per micro-step, 512 tokens per step: 2 accumulation micro-steps.

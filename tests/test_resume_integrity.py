@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bench.runs import losses, run, run_args, train
-from pipeline import checkpoint as ckpt
 from pipeline import train as train_module
+from pipeline.checkpoint import format as ckpt
 from pipeline.config import load_config
-from pipeline.distributed import DistInfo
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from bench.runs import children, kill_group, run, run_args, start, wait_for_step
-from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import format as ckpt
+from pipeline.checkpoint.lock import Holder, run_lock
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import ConfigError
-from pipeline.run_dir import RunDir
-from pipeline.runlock import Holder, run_lock
 from tests.errors import proc_error
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]

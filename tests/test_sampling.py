@@ -16,7 +16,7 @@ from launch.cli import main as lmforge
 from model import SamplingParams
 from model.generate import MIN_TEMPERATURE, sample
 from pipeline.config import ConfigError, load_config
-from pipeline.distributed import DistInfo
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 from tests.test_eval_sample_export import make_checkpoint
 

@@ -81,7 +81,7 @@ def test_the_check_sees_every_form_of_import(module, source):
 def test_allowed_imports_pass():
     source = "import torch\nfrom torch import nn\nfrom model.model import GPT\nfrom . import generate\n"
     assert not violations(source, "model.hf")
-    assert not violations("from data_prep.shards import load_manifest\n", "pipeline.data")
+    assert not violations("from data_prep.shards import load_manifest\n", "pipeline.data.loader")
 
 
 # ---- model/ is a model: no private torch op; pipeline/ never sets attributes on it -----------
@@ -180,9 +180,11 @@ class _SyncRecorder(nn.Module):
     ("none", []),
 ])
 def test_micro_step_is_scoped_and_restores_syncing_even_on_error(mode, skipped):
-    from pipeline.parallelize import ParallelModel, Precision
+    from model.model import cross_entropy
+    from pipeline.parallel.parallelize import ParallelModel, Precision
 
-    pm = ParallelModel(_SyncRecorder(), mode, Precision(torch.float32, torch.device("cpu")))
+    pm = ParallelModel(_SyncRecorder(), mode, Precision(torch.float32, torch.device("cpu")),
+                       cross_entropy)
     with pytest.raises(RuntimeError, match="inside"), pm.micro_step(sync=False):
         assert pm.module.calls == skipped[:1]  # in force for the forward, not only the backward
         raise RuntimeError("inside")
@@ -194,7 +196,7 @@ def test_micro_step_is_scoped_and_restores_syncing_even_on_error(mode, skipped):
 
 @pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, True), (torch.float32, False)])
 def test_precision_autocasts_a_plain_module_exactly_when_computing_in_bf16(dtype, autocast):
-    from pipeline.parallelize import Precision
+    from pipeline.parallel.parallelize import Precision
 
     with Precision(dtype, torch.device("cpu")).autocast(nn.Linear(2, 2)):
         assert torch.is_autocast_enabled("cpu") is autocast

@@ -11,8 +11,8 @@ import torch
 from bench.runs import TINY_ARGS, losses, metrics
 from pipeline import budget
 from pipeline.config import ConfigError, load_config
-from pipeline.distributed import DistInfo
-from pipeline.optim import lr_at
+from pipeline.optim.optimizers import lr_at
+from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

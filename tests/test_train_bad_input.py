@@ -15,12 +15,12 @@ import pytest
 from bench.runs import run, run_args, train_cmd
 from data_prep.errors import DataError
 from data_prep.tokenizer import dataset_tokenizer, save_tokenizer_dir, train_bpe
-from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import format as ckpt
+from pipeline.checkpoint.lock import run_lock
+from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import ConfigError, derive, describe, load_config
 from pipeline.metrics import trim_metrics
-from pipeline.optim import lr_multiplier
-from pipeline.run_dir import RunDir
-from pipeline.runlock import run_lock
+from pipeline.optim.optimizers import lr_multiplier
 from tests.errors import cli_error
 
 

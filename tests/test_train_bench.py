@@ -76,7 +76,7 @@ def test_train_bench_smoke(monkeypatch):
               timeout=400, retries=0)
     assert res.returncode == 0, res.stdout[-4000:]
     out = res.stdout
-    assert "dtype fp32 (auto: this CPU has no native bf16" in out
+    assert "dtype fp32 (auto: forced by LMFORGE_CPU_BF16=emulated)" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("A ")]
     assert [r[1:3] for r in rows] == [["lmforge", "eager"], ["gpt2", "eager"], ["hf", "eager"]]
     for r in rows:
@@ -91,28 +91,11 @@ def test_train_bench_smoke(monkeypatch):
     assert "largest micro-batch in HF's budget:" in out
 
 
-def test_profile_step_runs_the_bench_step():
-    res = run([sys.executable, "-m", "bench.profile_step", "lmforge", "--shape", "B",
-               "--steps", "1", "--top", "3"], timeout=300, retries=0)
-    assert res.returncode == 0, res.stdout[-4000:]
-    assert "lmforge eager shape B (V 4096, " in res.stdout
-    assert "self CPU time per step by category" in res.stdout and "matmul" in res.stdout
-
-
-def test_profile_step_names_each_compiled_kernel():
-    res = run([sys.executable, "-m", "bench.profile_step", "lmforge", "--smoke", "--shape", "B",
-               "--compile", "--kernels", "--steps", "1", "--top", "100"], timeout=300, retries=0)
-    assert res.returncode == 0, res.stdout[-4000:]
-    assert "lmforge compiled shape B (V 256, " in res.stdout
-    assert "cpp_fused" in res.stdout  # inductor's kernels by name, not one call per graph
-
-
 def test_non_matmul_time_is_the_step_less_its_profiled_matmuls(monkeypatch):
     """bench.profile_ops.paired_matmul_ms: each unprofiled step's time less the matmul time the
     profiler gives its neighbour, medians over the pairs. The profiler is stubbed to a fixed
     7 ms: timing a real microsecond matmul on a shared host failed CI twice in one stop (a
-    stall inside it counted 28 ms of matmul), and the profiler's own split is profile_step's
-    tests' to check."""
+    stall inside it counted 28 ms of matmul); the profiler's own split is not what this checks."""
     import time
 
     from bench import profile_ops

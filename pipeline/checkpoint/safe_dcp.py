@@ -1,0 +1,196 @@
+"""Reading a DCP checkpoint without trusting its files.
+
+A checkpoint may come from anyone (a download, a shared drive), so nothing in it may run code or
+make us read outside its directory. DCP trusts its files in three places, each closed here:
+
+- `.metadata` is a pickle: read through an unpickler that admits only the classes DCP writes,
+  then checked for shape (the right types, storage files named as DCP names them).
+- Non-tensor entries ("bytes") are unpickled by `DefaultLoadPlanner.load_bytes` with
+  `weights_only=False`: `SafeLoadPlanner` loads them with `weights_only=True`, and `check_against`
+  refuses, before DCP reads a byte, a bytes entry where the model or optimizer holds a tensor and
+  any bytes entry other than an optimizer's param-group settings (all lmforge ever writes).
+- `_StorageInfo.relative_path` is joined to the directory as it is: only DCP's own file names
+  (`__R_N.distcp`), as regular files in the directory (no symlinks), are read.
+- The sizes it declares are sized by nothing but itself: pipeline.checkpoint.dcp_checks bounds every tensor
+  it declares by the bytes of its files, and refuses storage transforms, before a model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from pipeline.checkpoint.dcp_checks import check_sizes, check_storage_fields
+from pipeline.errors import CheckpointError, refusal
+
+# DCP warns on every save and load in one process (no_dist), which for us is a normal, intended
+# case: a one-process run, or a sharded checkpoint read whole.
+SINGLE_PROCESS_WARNING = "torch.distributed is .*single process"
+
+
+@contextlib.contextmanager
+def single_process_ok():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        yield
+
+
+STORAGE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+# The only non-tensor entries lmforge writes: each optimizer param group's settings (lr, betas,
+# the names of its params, ...), all plain Python values.
+BYTES_KEY = re.compile(r"^optim\.param_groups\.\d+\.\w+$")
+
+# Every global a DCP .metadata pickle names (torch 2.x): its dataclasses, torch.Size, dtypes,
+# layouts (rebuilt by name) and the checkpoint path. Anything else is refused.
+_DCP_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP never writes")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader: .metadata through the allow-list unpickler, then validated, so
+    every storage file it names is a plain DCP file inside the checkpoint directory."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, use another") from None
+        except Exception as e:  # any malformed pickle: one line, never a traceback
+            raise refusal(path, f"not DCP metadata lmforge can read safely ({e})") from None
+        _check_metadata(metadata, Path(self.path), path)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _check_metadata(md: object, directory: Path, where: Path) -> None:
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise refusal(where, "it does not hold DCP Metadata")
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(entry, TensorStorageMetadata | BytesStorageMetadata):
+            raise refusal(where, f"entry {key!r} is neither a tensor nor bytes")
+        if isinstance(entry, BytesStorageMetadata) and not BYTES_KEY.match(key):
+            raise refusal(where, f"it stores {key!r} as pickled bytes; lmforge writes bytes only "
+                                 "for optimizer param-group settings")
+    storage = md.storage_data if isinstance(md.storage_data, dict) else None
+    if storage is None:
+        raise refusal(where, "it has no storage index")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise refusal(where, "its storage index holds foreign objects")
+        name = info.relative_path
+        if not isinstance(name, str) or not STORAGE_FILE.match(name):
+            raise refusal(where, f"it points {index.fqn!r} at {name!r}; only DCP's own "
+                                 "__R_N.distcp files inside the checkpoint are read")
+        if (directory / name).is_symlink():
+            raise refusal(where, f"{name} is a symbolic link; checkpoint files must be regular files")
+        check_storage_fields(index, info, where)
+    check_sizes(md, directory, where)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries are unpickled with weights_only=True: plain
+    containers, numbers and strings load, anything that names other code is refused."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes does, minus its pickle
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def check_against(state: dict, metadata: Metadata, where: Path) -> None:
+    """Before DCP reads anything into `state`: every key we load is in the checkpoint, as a
+    tensor of the same shape where we hold a tensor, and as bytes only where we hold a value."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=True)
+    stored = metadata.state_dict_metadata
+    missing, shapes = [], []
+    for key, ours in planner.state_dict.items():
+        entry = stored.get(key)
+        if entry is None:
+            missing.append(key)
+        elif isinstance(ours, torch.Tensor) and not isinstance(entry, TensorStorageMetadata):
+            raise refusal(where, f"it stores {key} as pickled bytes where lmforge expects a tensor")
+        elif not isinstance(ours, torch.Tensor) and not isinstance(entry, BytesStorageMetadata):
+            raise refusal(where, f"it stores {key} as a tensor where lmforge expects a value")
+        elif isinstance(ours, torch.Tensor) and tuple(entry.size) != tuple(ours.shape):
+            shapes.append(f"{key}: {tuple(entry.size)} vs {tuple(ours.shape)}")
+    if missing or shapes:
+        raise misfit(where, "; ".join([*(f"shape {s}" for s in shapes[:2]),
+                                       *(f"missing {k}" for k in missing[:2])]))
+
+
+def misfit(where: Path, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"weights in {where} do not fit the model described by its meta.json ({detail}); "
+        "the checkpoint is corrupt or was assembled from two runs"
+    )
+
+
+def load_strict(model: torch.nn.Module, state: dict, tied: bool, where: Path) -> None:
+    """`state` into `model`, every weight present and of its shape (the tied LM head, absent
+    from exports, rebuilt from the embedding); else one CheckpointError."""
+    ours = model.state_dict()
+    if wrong := [f"{k}: {tuple(v.shape)} vs {tuple(ours[k].shape)}" for k, v in state.items()
+                 if k in ours and v.shape != ours[k].shape]:
+        raise misfit(where, "shape " + "; ".join(wrong[:2]))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise misfit(where, f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if tied:
+        model.lm_head.weight = model.tok_emb.weight
+
+
+def load_into(state: dict, checkpoint_dir: Path, no_dist: bool) -> None:
+    """dcp.load of `state` from `checkpoint_dir`, with every check above; any failure inside DCP
+    (a crafted payload, a truncated file) is one CheckpointError."""
+    reader = SafeFileSystemReader(checkpoint_dir)
+    check_against(state, reader.read_metadata(), checkpoint_dir)
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as e:  # a BaseException: DCP wraps each rank's failure in it
+        cause = next((exc for exc, _ in e.failures.values()), e)
+        first_line = (str(cause).strip().splitlines() or [""])[0]
+        raise refusal(checkpoint_dir, f"DCP could not read it ({type(cause).__name__}: "
+                                      f"{first_line})") from None

@@ -1,0 +1,165 @@
+"""The optimizers (AdamW, or Muon + AdamW) and the learning-rate schedules.
+
+optim.name = "adamw": one AdamW, weight decay on matrices only.
+optim.name = "muon": torch.optim.Muon for the transformer blocks' 2-D matrices, AdamW (at
+optim.lr) for the tied token embedding / LM head and the norm gains. Muon replaces each matrix's
+momentum by the nearest semi-orthogonal matrix (Newton–Schulz), so every direction of the update
+moves at the same rate; embeddings (a lookup, not a linear map of the residual stream) and 1-D
+gains keep Adam. Muon itself is pipeline/optim/muon.py (whole matrices, or FSDP2 shards). Both are
+stepped as one `Optimizers`, which DCP's get_state_dict/set_state_dict take as an iterable of
+optimizers, so a checkpoint holds (and resumes) both states.
+
+The schedule is a pure function of the step, so it needs no state of its own in a checkpoint:
+resuming at step s gives exactly the learning rates (and Muon momentum) an uninterrupted run had.
+Each group follows the same multiplier of its own peak: optim.lr for AdamW, optim.muon_lr for Muon.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from pipeline.config import OptimConfig, wsd_decay_steps
+from pipeline.optim.muon import Muon
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    ns_dtype: torch.dtype = torch.float32):
+    """AdamW, or (optim.name = "muon") Muon + AdamW as one `Optimizers`.
+
+    ns_dtype: Muon's Newton–Schulz precision (torch's own is bf16, which CPUs without bf16
+    matmuls emulate at several times the cost of fp32); the trainer passes its compute dtype."""
+    if cfg.name == "adamw":
+        return _keeping_memory(_adamw(model.parameters(), cfg, device), model, device)
+    matrices = [p for name, p in model.named_parameters() if is_muon_matrix(name, p)]
+    chosen = {id(p) for p in matrices}
+    others = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    muon = Muon(
+        [{"params": matrices, "kind": "muon"}], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype,
+    )
+    return _keeping_memory(Optimizers(_adamw(others, cfg, device), muon), model, device)
+
+
+def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
+    """On CPU, a whole replica's steps reuse their freed buffers from the first step's end on
+    (pipeline.cpu.allocator); FSDP2's shards give theirs back (pipeline.parallel.parallelize)."""
+    if torch.device(device).type == "cpu" and not isinstance(model, FSDPModule):
+        from pipeline.cpu.allocator import keep_freed_blocks_after_first_step  # the CPU room
+
+        last = optimizer.optimizers[-1] if isinstance(optimizer, Optimizers) else optimizer
+        keep_freed_blocks_after_first_step(last)
+    return optimizer
+
+
+def is_muon_matrix(name: str, param: nn.Parameter) -> bool:
+    """Whether optim.name = "muon" gives `param` to Muon: the transformer blocks' 2-D matrices."""
+    return param.requires_grad and ".blocks." in f".{name}" and param.ndim == 2
+
+
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
+def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    # Decay only matrices (linear weights, embeddings); norms' gains are 1-D and decaying them
+    # towards zero only fights the normalisation.
+    decay, no_decay = [], []
+    for p in params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # The fused kernel updates each parameter in one pass; foreach makes ~8 passes over the
+    # parameters and both moments, which is most of an optimizer step where matmuls are cheap
+    # (bench/results/adamw_step_*.txt). torch has it for CUDA and CPU tensors, DTensor included.
+    fused = device.type in FUSED_ADAMW_DEVICES if cfg.fused == "auto" else cfg.fused == "on"
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
+    )
+
+
+class Optimizers:
+    """Several optimizers stepped as one. Iterating yields them, which is what
+    torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict accept."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+def lr_multiplier(step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """Fraction of the peak learning rate at optimizer step `step` (0-based): linear warmup
+    reaching the peak at its last step, then cosine or WSD down to min_lr_ratio at the last step.
+
+    cosine: decays from the peak (held one step) to the floor over the steps after warmup.
+    wsd (warmup-stable-decay): holds the peak, then decays linearly to the floor over the last
+    `decay_fraction` of the run, never reaching back into the warmup — a run can be extended
+    from a stable-phase checkpoint.
+    """
+    floor = cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        decay_steps = wsd_decay_steps(max_steps, cfg)
+        decay_start = max_steps - decay_steps
+        if step < decay_start:
+            return 1.0
+        frac = min(1.0, (step - decay_start + 1) / max(1, decay_steps))
+        return 1.0 + frac * (floor - 1.0)
+    peak_step = max(cfg.warmup_steps - 1, 0)  # the last warmup step is the peak (step 0 without)
+    frac = min(1.0, (step - peak_step) / max(1, max_steps - 1 - peak_step))
+    return floor + 0.5 * (1.0 + math.cos(math.pi * frac)) * (1.0 - floor)
+
+
+def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """AdamW's learning rate (optim.lr times the schedule) at `step`: the logged lr."""
+    return cfg.lr * lr_multiplier(step, max_steps, cfg)
+
+
+def muon_momentum_at(step: int, cfg: OptimConfig) -> float:
+    """Muon's momentum: linear from muon_momentum_start to muon_momentum over the warmup (the
+    first updates' gradients are large and fast-changing; averaging them over ~20 steps at 0.95
+    slows the start, as modded-nanogpt and nanochat found)."""
+    if step >= cfg.muon_momentum_warmup_steps:
+        return cfg.muon_momentum
+    frac = step / cfg.muon_momentum_warmup_steps
+    return cfg.muon_momentum_start + frac * (cfg.muon_momentum - cfg.muon_momentum_start)
+
+
+def set_lr(optimizer, multiplier: float, cfg: OptimConfig) -> None:
+    """Every group's lr = its own peak (optim.muon_lr for Muon groups, optim.lr otherwise) x the
+    schedule's multiplier. The peaks come from the config, never from a loaded optimizer state,
+    so a resumed run follows the config it was resumed with."""
+    for group in optimizer.param_groups:
+        group["lr"] = (cfg.muon_lr if group.get("kind") == "muon" else cfg.lr) * multiplier
+
+
+def apply_schedule(optimizer, step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """Set every group's lr (and Muon's momentum) for optimizer step `step`; returns AdamW's lr."""
+    set_lr(optimizer, lr_multiplier(step, max_steps, cfg), cfg)
+    for group in optimizer.param_groups:
+        if group.get("kind") == "muon":
+            group["momentum"] = muon_momentum_at(step, cfg)
+    return lr_at(step, max_steps, cfg)
