@@ -12,9 +12,10 @@ variant sees the same seeds, hence the same initial draws and batches; all are e
 same val tokens every --eval-every steps. A finished run (its final step in metrics.jsonl) is
 not run again, so adding a variant costs only its own runs.
 
-The loss: every variant trains on model.model.cross_entropy (the full-logits reference loss),
-because the pipeline's chunked loss takes no `softcap` yet on this branch; one loss for all keeps
-the comparison (and the step times) like for like.
+The loss: every variant trains on `train.loss = full` (model.model.cross_entropy, the whole
+logits), one loss for all so the comparison and the step times are like for like. (The runs in
+bench/results/recipe_avx2.* were trained before the pipeline had train.loss, by swapping that
+same function in as the run's head loss.)
 
 Wall-clock to the target = steps to it x the variant's step time, the step times measured by an
 interleaved pass (`step_times`): every variant's model and optimizer built once, then rounds in
@@ -46,7 +47,7 @@ SHAPE = [
     "--model.d_model", "128", "--model.n_layer", "4", "--model.n_head", "4", "--model.n_kv_head", "2",
     "--model.max_seq_len", "128", "--data.seq_len", "128", "--train.global_batch_tokens", "1024",
     "--train.micro_batch_size", "8", "--train.dtype", "fp32", "--train.compile", "off",
-    "--optim.name", "muon",
+    "--optim.name", "muon", "--train.loss", "full",
 ]
 OPTIONS = {
     "qk_norm": ["--model.qk_norm", "true"],
@@ -82,13 +83,10 @@ def job_config(data: Path, out: Path, seed: int, args, extra: list[str]):
 def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
     import torch
 
-    from model.model import cross_entropy
-    from pipeline.distributed import DistInfo
+    from pipeline.parallel.distributed import DistInfo
     from pipeline.train import Trainer
 
-    trainer = Trainer(job_config(data, out, seed, args, extra), DistInfo(0, 0, 1, torch.device("cpu")))
-    trainer.parallel = dataclasses.replace(trainer.parallel, head_loss=cross_entropy)
-    trainer.fit()
+    Trainer(job_config(data, out, seed, args, extra), DistInfo(0, 0, 1, torch.device("cpu"))).fit()
 
 
 def claim(root: Path, run: str) -> bool:
@@ -115,7 +113,7 @@ def step_times(data: Path, names: list[str], preset: list[str], args) -> dict[st
     import torch
 
     from model.model import GPT
-    from pipeline.optim import build_optimizer
+    from pipeline.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     setups = {}

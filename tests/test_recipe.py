@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from model import GPT, ModelConfig, generate
 from model.model import cross_entropy
 from pipeline.config import OptimConfig
-from pipeline.optim import build_optimizer, is_muon_matrix
+from pipeline.optim.optimizers import build_optimizer, is_muon_matrix
 from tests.test_generate import PROMPTS, greedy, greedy_reference, one_thread  # noqa: F401
 
 VOCAB = 97

@@ -12,7 +12,7 @@ import torch
 from launch.cli import main as lmforge
 from model import GPT, ModelConfig
 from model.hf import export_hf, hf_config_dict, import_hf
-from pipeline.checkpoint import CheckpointMeta, save_consolidated
+from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
 from pipeline.config import config_from_dict
 from tests.errors import cli_error
 from tests.test_hf import TOL, VOCAB, with_large_weights
