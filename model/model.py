@@ -166,6 +166,12 @@ def cap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(logits / cap)
 
 
+def head_norm(norm: nn.RMSNorm, x_BTNK: torch.Tensor) -> torch.Tensor:
+    """`norm` over each head's K features. Its fp32 gain is cast to the activations' dtype: under
+    bf16 autocast, mixed dtypes would leave torch's fused RMSNorm kernel for the unfused ops."""
+    return F.rms_norm(x_BTNK, norm.normalized_shape, norm.weight.to(x_BTNK.dtype), norm.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -185,7 +191,8 @@ class Attention(nn.Module):
         qkv = self.qkv(x_BTD)
         qk_BTNK = qkv[..., : (H + G) * K].view(B, T, H + G, K)
         if self.q_norm is not None:
-            qk_BTNK = torch.cat((self.q_norm(qk_BTNK[:, :, :H]), self.k_norm(qk_BTNK[:, :, H:])), dim=2)
+            qk_BTNK = torch.cat((head_norm(self.q_norm, qk_BTNK[:, :, :H]),
+                                 head_norm(self.k_norm, qk_BTNK[:, :, H:])), dim=2)
         # RoPE on the q and k heads together, (B, T, H+G, K): one rotation instead of two.
         qk_BTNK = apply_rope(qk_BTNK, cos, sin)
         q_BHTK = qk_BTNK[:, :, :H].transpose(1, 2)

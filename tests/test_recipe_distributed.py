@@ -56,3 +56,21 @@ def test_preset_fsdp_resume_is_exact(preset_runs, tiny_data, tmp_path):
     resumed, baseline = losses(tmp_path / "r"), losses(preset_runs["fsdp"])
     assert sorted(resumed) == list(range(5, STEPS + 1))
     assert all(resumed[s] == baseline[s] for s in resumed), (resumed, baseline)
+
+
+ALL_OPTIONS = ["--model.qk_norm", "true", "--model.mlp", "relu2", "--model.logit_softcap", "15",
+               "--model.zero_init", "true", "--model.value_embeds", "true",
+               "--model.tie_embeddings", "false"]
+
+
+def test_every_option_with_adamw_fsdp_equals_one_process(tiny_data, tmp_path):
+    """The options outside the preset too (value embeddings and the untied head live beside the
+    FSDP2-wrapped blocks, QK-norm gains inside them), under AdamW."""
+    curves = {}
+    for parallel, nproc in (("none", 1), ("fsdp", 2)):
+        train(layout_args(tiny_data, tmp_path / parallel, "--train.max_steps", str(STEPS),
+                          *ALL_OPTIONS, "--train.parallel", parallel), nproc=nproc)
+        curves[parallel] = losses(tmp_path / parallel)
+    assert sorted(curves["none"]) == list(range(1, STEPS + 1))
+    assert curves["none"][STEPS] < curves["none"][1] - 0.3
+    assert max_diff(curves["fsdp"], curves["none"]) <= 1e-4, curves
