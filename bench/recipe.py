@@ -120,7 +120,8 @@ def step_times(data: Path, names: list[str], preset: list[str], args) -> dict[st
     for name in names:
         cfg = job_config(data, args.out / "timing", 0, args, overrides(name, preset))
         model = GPT(dataclasses.replace(cfg.model, vocab_size=2048))
-        setups[name] = (model, build_optimizer(model, cfg.optim, torch.device("cpu")))
+        step_model = torch.compile(model) if args.compiled else model  # compiled in the warm-up
+        setups[name] = (step_model, build_optimizer(model, cfg.optim, torch.device("cpu")))
     idx_BT = torch.randint(0, 2048, (8, 129))
     samples: dict[str, list[float]] = {name: [] for name in names}
     # Round 0 warms up (first-step allocations, optimizer state) and is not counted.
@@ -268,6 +269,7 @@ def main() -> int:
     p.add_argument("--timing-rounds", type=int, default=6)
     p.add_argument("--timing-steps", type=int, default=5)
     p.add_argument("--report-only", action="store_true", help="table and plot from the runs in --out")
+    p.add_argument("--compiled", action="store_true", help="time torch.compile'd steps (the runs stay eager)")
     p.add_argument("--train-only", action="store_true",
                    help="only train the runs (several such processes share them out)")
     args = p.parse_args()
@@ -290,7 +292,8 @@ def main() -> int:
                             text=True).stdout.strip()
     text = (f"{header()}\ncommit {commit}; {args.seeds} seeds x {args.steps} steps, eval "
             f"{args.eval_tokens} val tokens every {args.eval_every} steps; training {train_s:.0f} s; "
-            f"step times: {args.timing_rounds} interleaved rounds x {args.timing_steps} steps, eager, "
+            f"step times: {args.timing_rounds} interleaved rounds x {args.timing_steps} steps, "
+            f"{'compiled' if args.compiled else 'eager'}, "
             f"fp32, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}\n{table(rows, preset)}\n")
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
