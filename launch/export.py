@@ -1,4 +1,5 @@
-"""`lmforge export`: a checkpoint -> a Hugging Face Llama directory that `transformers` loads.
+"""`lmforge export`: a checkpoint -> a Hugging Face Llama (Qwen3 with model.qk_norm) directory
+that `transformers` loads; a model option neither holds is refused in one error line.
 
     lmforge export --ckpt runs/tiny --hf out/tiny-hf
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
@@ -37,7 +38,8 @@ TOKENIZER_COPY = "lmforge_tokenizer"
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="lmforge export",
-                                description="Export a checkpoint to the Hugging Face Llama format.")
+                                description="Export a checkpoint to the Hugging Face Llama format "
+                                            "(Qwen3 with model.qk_norm).")
     p.add_argument("--ckpt", required=True,
                    help="run directory (newest checkpoint), checkpoints/step_* or final/")
     p.add_argument("--hf", required=True, type=Path, metavar="OUT", help="output directory")
@@ -100,7 +102,7 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
     out = Path(os.path.abspath(out))  # "." and "a/.." by their own names
     check_replaceable(out)
     ckpt = load_for_inference(ckpt_path, "cpu")
-    try:  # a model Llama cannot hold is refused before anything is written
+    try:  # a model Llama or Qwen3 cannot hold is refused before anything is written
         hf_config_dict(ckpt.config)
     except ValueError as e:
         raise ConfigError(str(e)) from None

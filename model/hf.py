@@ -1,4 +1,7 @@
-"""Export to / import from the Hugging Face Llama format (config.json + model.safetensors).
+"""Export to / import from the Hugging Face Llama format (config.json + model.safetensors), or
+Qwen3's for a model with model.qk_norm (Qwen3's block is Llama's plus an RMSNorm over each
+head's queries and keys before RoPE: transformers >= 4.51 reads it). Options no such model
+represents (a non-SwiGLU MLP, logit softcapping, value embeddings) are refused by name.
 
 Our RoPE already rotates (x[i], x[i + K/2]) pairs, the half-split layout of HF Llama's
 rotate_half, so q/k weights map across unpermuted (the logit-parity tests in tests/test_hf.py
@@ -29,15 +32,18 @@ COMPILED_PREFIX = "_orig_mod."  # what torch.compile puts in front of state_dict
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                    eos_token_id: int | None = None) -> dict:
-    """The transformers LlamaConfig (config.json) describing the same network.
+    """The transformers LlamaConfig, or Qwen3Config with model.qk_norm (config.json), describing
+    the same network; ValueError naming an option neither holds (check_exportable).
 
     eos_token_id is the end-of-text id, which is also the bos: documents start with it in the
     training shards (and `lmforge sample` prompts with it), so generation starts and stops there."""
-    if cfg.mlp != "swiglu":
-        raise ValueError(f"model.mlp={cfg.mlp!r} cannot be exported as Llama (SwiGLU only); train with mlp='swiglu'")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    check_exportable(cfg)
+    arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    if cfg.qk_norm:
+        arch = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": cfg.n_layer, "layer_types": ["full_attention"] * cfg.n_layer}
+    return arch | {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_hidden,
@@ -61,6 +67,19 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
     }
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+    """ValueError naming the first option of `cfg` that no Hugging Face architecture holds."""
+    if cfg.mlp != "swiglu":
+        raise ValueError(f"model.mlp={cfg.mlp!r} has no Hugging Face counterpart (Llama and Qwen3 "
+                         "are SwiGLU only); train with model.mlp='swiglu' to export")
+    if cfg.logit_softcap:
+        raise ValueError(f"model.logit_softcap={cfg.logit_softcap} has no Hugging Face counterpart "
+                         "(Llama and Qwen3 do not cap logits); train with model.logit_softcap=0 to export")
+    if cfg.value_embeds:
+        raise ValueError("model.value_embeds=true has no Hugging Face counterpart (Llama and Qwen3 "
+                         "have no value embeddings); train with model.value_embeds=false to export")
+
+
 def hf_generation_dict(eos_token_id: int | None) -> dict:
     """generation_config.json: `generate()` stops at end-of-text and pads with it (the model has
     no pad token, and padding is masked anyway)."""
@@ -74,8 +93,8 @@ def _split_rows(w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 def export_hf(model_or_state, cfg: ModelConfig, out_dir, dtype: torch.dtype = torch.float32,
               eos_token_id: int | None = None) -> Path:
     """Write out_dir/config.json, generation_config.json and model.safetensors for
-    LlamaForCausalLM. Pass the tokenizer's end-of-text id as eos_token_id, or generation
-    never stops at the end of a text."""
+    LlamaForCausalLM (Qwen3ForCausalLM with model.qk_norm). Pass the tokenizer's end-of-text
+    id as eos_token_id, or generation never stops at the end of a text."""
     hf_cfg = hf_config_dict(cfg, dtype, eos_token_id)
     sd = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
     sd = {k.removeprefix(COMPILED_PREFIX): v.detach().to("cpu", dtype) for k, v in sd.items()}
@@ -101,6 +120,8 @@ def export_hf(model_or_state, cfg: ModelConfig, out_dir, dtype: torch.dtype = to
             theirs + "mlp.up_proj.weight": up,
             theirs + "mlp.down_proj.weight": sd[ours + "mlp.down.weight"],
         }
+        if cfg.qk_norm:
+            out |= {theirs + f"self_attn.{n}_norm.weight": sd[ours + f"attn.{n}_norm.weight"] for n in "qk"}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: t.contiguous() for k, t in out.items()}, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
@@ -112,7 +133,8 @@ def export_hf(model_or_state, cfg: ModelConfig, out_dir, dtype: torch.dtype = to
 def _config_from_hf(hf: dict) -> ModelConfig:
     rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
     unsupported = {
-        "model_type": hf.get("model_type") != "llama",
+        "model_type": hf.get("model_type") not in ("llama", "qwen3"),
+        "use_sliding_window": hf.get("use_sliding_window", False),
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
         "rope_parameters.rope_type": rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"),
         "attention_bias": hf.get("attention_bias", False),
@@ -120,7 +142,8 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     }
     for key, bad in unsupported.items():
         if bad:
-            raise ValueError(f"cannot import this Hugging Face model: unsupported {key} (plain Llama only)")
+            raise ValueError(f"cannot import this Hugging Face model: unsupported {key} "
+                             "(plain Llama or Qwen3 only)")
     n_head = hf["num_attention_heads"]
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -134,6 +157,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02),
+        qk_norm=hf["model_type"] == "qwen3",
     )
     if hf.get("head_dim", cfg.head_dim) != cfg.head_dim:
         raise ValueError(f"cannot import: head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
@@ -145,7 +169,7 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def import_hf(hf_dir) -> GPT:
-    """Build our GPT (fp32, CPU) from a Llama config.json + model.safetensors directory."""
+    """Build our GPT (fp32, CPU) from a Llama or Qwen3 config.json + model.safetensors directory."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / WEIGHTS_FILE).exists():
         raise ValueError(f"{hf_dir / WEIGHTS_FILE} not found (sharded checkpoints are not supported)")
@@ -169,6 +193,8 @@ def import_hf(hf_dir) -> GPT:
             ours + "mlp.up.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
             ours + "mlp.down.weight": hf[mlp + "down_proj.weight"],
         }
+        if cfg.qk_norm:
+            sd |= {ours + f"attn.{n}_norm.weight": hf[attn + f"{n}_norm.weight"] for n in "qk"}
     with torch.device("meta"):
         model = GPT(cfg)
     model.to_empty(device="cpu")

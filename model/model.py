@@ -1,6 +1,10 @@
 """A Pre-LN decoder-only transformer in the Llama style: RMSNorm, RoPE, grouped-query attention,
 SwiGLU (or GELU) MLP, no biases, token embedding tied to the LM head.
 
+Options from the modded-nanogpt / nanochat recipe, each off by default (bench/recipe.py measures
+them): QK-norm, a squared-ReLU MLP, logit softcapping, zero-initialised residual outputs and
+head, and value embeddings.
+
 Dimension key, used in tensor names (x_BTD, q_BHTK, logits_BTV):
     B batch          T time (query positions)     S key positions (KV-cache length)
     D d_model        H n_head                     G n_kv_head
@@ -20,9 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB_MULTIPLE = 64  # the LM-head matmul is faster when V is a multiple of 64
-MLP_KINDS = ("swiglu", "gelu")
+MLP_KINDS = ("swiglu", "gelu", "relu2")
 IGNORE_INDEX = -100  # a target the loss skips (eval padding rows); cross_entropy's default
 MAX_SEQ_LEN = 2**20
+RECIPE_OPTIONS = ("qk_norm", "logit_softcap", "zero_init", "value_embeds")  # off = falsy
 
 
 @dataclass
@@ -40,7 +45,8 @@ class ModelConfig:
     d_mlp: int | None = None
     """MLP hidden size; None = 8/3·d_model rounded up to a multiple of 64 (SwiGLU) or 4·d_model (GELU)."""
     mlp: str = "swiglu"
-    """"swiglu" (Llama, exportable to Hugging Face) or "gelu" (GPT-2 style)."""
+    """"swiglu" (Llama, exportable to Hugging Face), "gelu" (GPT-2 style) or "relu2" (squared ReLU,
+    two matrices 3/2 as wide as SwiGLU's three, so the parameters match; not exportable)."""
     rope_theta: float = 10000.0
     """RoPE base: larger stretches the rotary wavelengths for longer contexts."""
     max_seq_len: int = 1024
@@ -51,6 +57,18 @@ class ModelConfig:
     """The LM head reuses the token embedding matrix (GPT-2 / nanoGPT style, fewer parameters)."""
     init_std: float = 0.02
     """Std of every weight matrix; residual-output projections get init_std / sqrt(2·n_layer)."""
+    qk_norm: bool = False
+    """RMSNorm (with a learned gain per head dimension) on each head's queries and keys before
+    RoPE: bounded attention logits (Qwen3, modded-nanogpt). Exports as Qwen3."""
+    logit_softcap: float = 0.0
+    """c > 0 caps the logits to c·tanh(logits / c) in the loss and in sampling; 0 = off. Not
+    exportable (no Llama-family model caps its logits)."""
+    zero_init: bool = False
+    """Zero-initialise the residual output projections (attention out, MLP down) and, when
+    untied, the LM head: each block starts as the identity (modded-nanogpt)."""
+    value_embeds: bool = False
+    """Per-layer value-embedding tables (V x n_kv_head·head_dim) added to the values of every
+    other layer, the last included (nanochat). Not exportable."""
 
     def __post_init__(self) -> None:
         sizes = ("n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
@@ -84,6 +102,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison: test it
                 raise ValueError(f"model.{name} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.logit_softcap) and self.logit_softcap >= 0):
+            raise ValueError(f"model.logit_softcap must be a finite number >= 0 (0 = off), "
+                             f"got {self.logit_softcap}")
 
     @property
     def head_dim(self) -> int:
@@ -99,7 +120,14 @@ class ModelConfig:
             return self.d_mlp
         if self.mlp == "gelu":
             return 4 * self.d_model
-        return -(-8 * self.d_model // (3 * 64)) * 64  # Llama's 8/3·d, rounded up to 64
+        swiglu = -(-8 * self.d_model // (3 * 64)) * 64  # Llama's 8/3·d, rounded up to 64
+        return swiglu * 3 // 2 if self.mlp == "relu2" else swiglu
+
+    def value_embed_layers(self) -> list[int]:
+        """The layers given a value embedding: every other one, counted back from the last."""
+        if not self.value_embeds:
+            return []
+        return [i for i in range(self.n_layer) if (self.n_layer - 1 - i) % 2 == 0]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,6 +161,17 @@ def apply_rope(x_BTNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return x_BTNK * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
+def cap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap·tanh(logits / cap): smooth, keeps small logits, bounds large ones to (-cap, cap)."""
+    return cap * torch.tanh(logits / cap)
+
+
+def head_norm(norm: nn.RMSNorm, x_BTNK: torch.Tensor) -> torch.Tensor:
+    """`norm` over each head's K features. Its fp32 gain is cast to the activations' dtype: under
+    bf16 autocast, mixed dtypes would leave torch's fused RMSNorm kernel for the unfused ops."""
+    return F.rms_norm(x_BTNK, norm.normalized_shape, norm.weight.to(x_BTNK.dtype), norm.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -141,16 +180,27 @@ class Attention(nn.Module):
         # One fused GEMM for q, k and v: fewer, larger matmuls are faster than three small ones.
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        # Qwen3's layout: one gain over the head dimension, shared by all heads (q and k apart).
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention):
+    def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention,
+                ve_BTGK=None):
         B, T, _ = x_BTD.shape
         H, G, K = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x_BTD)
+        qk_BTNK = qkv[..., : (H + G) * K].view(B, T, H + G, K)
+        if self.q_norm is not None:
+            qk_BTNK = torch.cat((head_norm(self.q_norm, qk_BTNK[:, :, :H]),
+                                 head_norm(self.k_norm, qk_BTNK[:, :, H:])), dim=2)
         # RoPE on the q and k heads together, (B, T, H+G, K): one rotation instead of two.
-        qk_BTNK = apply_rope(qkv[..., : (H + G) * K].view(B, T, H + G, K), cos, sin)
+        qk_BTNK = apply_rope(qk_BTNK, cos, sin)
         q_BHTK = qk_BTNK[:, :, :H].transpose(1, 2)
         k_BGTK = qk_BTNK[:, :, H:].transpose(1, 2)
-        v_BGTK = qkv[..., (H + G) * K :].view(B, T, G, K).transpose(1, 2)
+        v_BTGK = qkv[..., (H + G) * K :].view(B, T, G, K)
+        if ve_BTGK is not None:  # before the cache, so cached and recomputed values agree
+            v_BTGK = v_BTGK + ve_BTGK
+        v_BGTK = v_BTGK.transpose(1, 2)
         if kv_cache is None:
             attn_mask, is_causal = None, True
             k_BGSK, v_BGSK = k_BGTK, v_BGTK
@@ -169,6 +219,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.kind = cfg.mlp
         self.swiglu = cfg.mlp == "swiglu"
         hidden = cfg.mlp_hidden
         # SwiGLU's gate and up projections fused into one GEMM (first half gate, second half up).
@@ -180,6 +231,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate_BTF, up_BTF = h_BTF.chunk(2, dim=-1)
             h_BTF = F.silu(gate_BTF) * up_BTF
+        elif self.kind == "relu2":
+            h_BTF = F.relu(h_BTF).square()
         else:
             h_BTF = F.gelu(h_BTF)
         return self.down(h_BTF)
@@ -195,8 +248,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, kv_cache, attend)
+    def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention,
+                ve_BTGK=None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, kv_cache, attend, ve_BTGK)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
     @torch.no_grad()
@@ -206,16 +260,21 @@ class Block(nn.Module):
         # Outputs added to the residual stream: scaled by depth so its variance stays ~constant.
         nn.init.normal_(self.attn.proj.weight, std=resid_std)
         nn.init.normal_(self.mlp.down.weight, std=resid_std)
-        self.attn_norm.reset_parameters()
-        self.mlp_norm.reset_parameters()
+        for norm in (self.attn_norm, self.mlp_norm, self.attn.q_norm, self.attn.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
 
-def cross_entropy(h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=IGNORE_INDEX):
+def cross_entropy(h_BTD, w_VD, targets_BT, vocab_size, reduction="mean", ignore_index=IGNORE_INDEX,
+                  softcap: float = 0.0):
     """F.cross_entropy of the full logits h_BTD @ w_VDᵀ over the first vocab_size columns, in
     fp32 whatever the matmul dtype: the plain reference loss. A loss of the same signature can
-    replace it (GPT.forward's loss_fn): one that never builds the B×T×V logits, for instance."""
-    logits_NV = F.linear(h_BTD.flatten(0, 1), w_VD)[:, :vocab_size]
-    loss = F.cross_entropy(logits_NV.float(), targets_BT.flatten(), ignore_index=ignore_index,
+    replace it (GPT.forward's loss_fn): one that never builds the B×T×V logits, for instance.
+    softcap > 0 caps the logits first (model.logit_softcap)."""
+    logits_NV = F.linear(h_BTD.flatten(0, 1), w_VD)[:, :vocab_size].float()
+    if softcap:
+        logits_NV = cap_logits(logits_NV, softcap)
+    loss = F.cross_entropy(logits_NV, targets_BT.flatten(), ignore_index=ignore_index,
                            reduction=reduction)
     return loss.view(targets_BT.shape) if reduction == "none" else loss
 
@@ -231,6 +290,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm_f = nn.RMSNorm(D, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(D, V, bias=False)
+        # Lookups like tok_emb, outside the blocks: AdamW's under optim.name = "muon".
+        self.value_embeds = nn.ModuleDict(
+            {str(i): nn.Embedding(V, cfg.n_kv_head * cfg.head_dim) for i in cfg.value_embed_layers()})
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         # Derived from the config, so not saved (persistent=False); init_weights() fills them.
@@ -249,9 +311,13 @@ class GPT(nn.Module):
         if cfg.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
             self.lm_head.weight = self.tok_emb.weight  # a module.to_empty() may have split the tie
         nn.init.normal_(self.tok_emb.weight, std=cfg.init_std)
+        for table in self.value_embeds.values():
+            nn.init.normal_(table.weight, std=cfg.init_std)
         if not cfg.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
-        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+            # Zero: the first steps' logits are uniform and the head learns from there.
+            head_std = 0.0 if cfg.zero_init else cfg.init_std
+            nn.init.normal_(self.lm_head.weight, std=head_std)
+        resid_std = 0.0 if cfg.zero_init else cfg.init_std / math.sqrt(2 * cfg.n_layer)
         for block in self.blocks:
             block.init_weights(cfg.init_std, resid_std)
         self.norm_f.reset_parameters()
@@ -280,10 +346,14 @@ class GPT(nn.Module):
         function of its signature (q, k, v, attn_mask=, is_causal=, enable_gqa=); which kernel a
         run attends with is the caller's choice (pipeline.attention)."""
         h_BTD = self.hidden(idx_BT, kv_cache, attend)
+        cap = self.cfg.logit_softcap
         if targets_BT is None:
-            return self.lm_head(h_BTD)[..., : self.cfg.vocab_size]  # V padded
+            logits_BTV = self.lm_head(h_BTD)[..., : self.cfg.vocab_size]  # V padded
+            return cap_logits(logits_BTV, cap) if cap else logits_BTV
+        # Only when set: a loss_fn without the keyword still runs every uncapped model.
+        capped = {"softcap": cap} if cap else {}
         return loss_fn(h_BTD, self.lm_head.weight, targets_BT, self.cfg.vocab_size,
-                       reduction=reduction, ignore_index=ignore_index)
+                       reduction=reduction, ignore_index=ignore_index, **capped)
 
     def hidden(self, idx_BT: torch.Tensor, kv_cache=None,
                attend=F.scaled_dot_product_attention) -> torch.Tensor:
@@ -298,18 +368,21 @@ class GPT(nn.Module):
             pos_BT = kv_cache.begin(T)
             cos, sin = self.rope_cos[pos_BT, None], self.rope_sin[pos_BT, None]  # (B, T, 1, K)
         x_BTD = self.tok_emb(idx_BT)
-        for block in self.blocks:
-            x_BTD = block(x_BTD, cos, sin, kv_cache, attend)
+        G, K = self.cfg.n_kv_head, self.cfg.head_dim
+        for i, block in enumerate(self.blocks):
+            table = self.value_embeds[str(i)] if str(i) in self.value_embeds else None
+            ve_BTGK = None if table is None else table(idx_BT).view(B, T, G, K)
+            x_BTD = block(x_BTD, cos, sin, kv_cache, attend, ve_BTGK)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm_f(x_BTD)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied matrix counts once). exclude_embeddings drops the vocabulary
-        matrices (token embedding and LM head, tied or not), leaving blocks + final norm."""
+        matrices (token and value embeddings, LM head, tied or not), leaving blocks + final norm."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            n -= self.tok_emb.weight.numel()
+            n -= self.tok_emb.weight.numel() + sum(p.numel() for p in self.value_embeds.parameters())
             if not self.cfg.tie_embeddings:
                 n -= self.lm_head.weight.numel()
         return n
@@ -320,9 +393,9 @@ class GPT(nn.Module):
             6·N + 12·L·H·K·T
 
         N = weights used in a matmul for every token: all block parameters (+ the final norm,
-        negligible) plus the LM head (D × padded V, the matmul actually run). The token embedding
-        is a lookup and costs no FLOPs; when tied, the shared matrix is counted once, as the LM
-        head. 6 = 2 (multiply-add) × 3 (forward + two backward matmuls).
+        negligible) plus the LM head (D × padded V, the matmul actually run). The token and value
+        embeddings are lookups and cost no FLOPs; when tied, the shared matrix is counted once, as
+        the LM head. 6 = 2 (multiply-add) × 3 (forward + two backward matmuls).
         Attention: per layer and token, QKᵀ and AV each take 2·H·K·T FLOPs forward, ×3 for
         forward + backward → 12·L·H·K·T. The full T×T square is counted although causal masking
         skips half of it, as PaLM and nanoGPT do, so MFU figures stay comparable."""
@@ -337,5 +410,6 @@ class GPT(nn.Module):
             f"GPT {self.num_params() / 1e6:.2f}M params ({self.num_params(True) / 1e6:.2f}M non-embedding): "
             f"L={cfg.n_layer} D={cfg.d_model} H={cfg.n_head} G={cfg.n_kv_head} ({mha}) K={cfg.head_dim} "
             f"{cfg.mlp} F={cfg.mlp_hidden} V={cfg.vocab_size} (padded {cfg.padded_vocab_size}) "
-            f"ctx={cfg.max_seq_len} tied={cfg.tie_embeddings}"
+            f"ctx={cfg.max_seq_len} tied={cfg.tie_embeddings}" + "".join(
+                f" {name}={getattr(cfg, name)}" for name in RECIPE_OPTIONS if getattr(cfg, name))
         )

@@ -176,10 +176,10 @@ def test_derive_error_names_values_that_divide():
                                   "--train.micro_batch_size", mbs]), 2)
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2_124m", "llama_350m"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2_124m", "llama_350m", "tiny_modern", "gpt2_124m_modern"])
 def test_presets_load_and_derive(name):
     cfg = load_config(CONFIGS / f"{name}.toml", [])
-    for world in (1, 2) if name == "tiny" else (1, 2, 8):  # tiny is for CPUs, not 8 GPUs
+    for world in (1, 2) if name.startswith("tiny") else (1, 2, 8):  # tiny is for CPUs, not 8 GPUs
         d = derive(cfg, world)
         assert d.grad_accum_steps >= 1
         assert d.sequences_per_step * cfg.data.seq_len == cfg.train.global_batch_tokens

@@ -108,14 +108,19 @@ def activation_bytes(m: ModelConfig, batch: int, seq_len: int, bf16: bool,
             + a * (H + G) * K  # q and k after RoPE
             + a * H * K + FP32 * H  # attention output and its log-sum-exp
             + a * H * K)  # heads merged (a contiguous copy) for the output projection
-    # swiglu: up's output (gate and up halves), silu(gate), the gated product; gelu: in and out.
+    if m.qk_norm:  # each head's normalised q and k (for the gains' gradient) and their 1/rms
+        attn += a * (H + G) * K + FP32 * (H + G)
+    # swiglu: up's output (gate and up halves), silu(gate), the gated product; gelu: in and out;
+    # relu2: relu's output (its own and the square's backward read it) and the square.
     mlp = 4 * a * F if m.mlp == "swiglu" else 2 * a * F
     block = norms + matmul_inputs + attn + mlp
+    # A value-embedding layer's values are v + ve, a tensor of their own (without, a view of qkv).
+    value_embeds = a * G * K * len(m.value_embed_layers())
     # Final norm, LM-head input and its gradient (the chunked loss computes it in forward), int64
     # input ids and targets. The logits are never kept: see head_loss_bytes.
     head = FP32 * D + FP32 + a * D + a * D + 8 + 8
     # Checkpointing keeps each block's fp32 input; backward rebuilds one block at a time.
-    blocks = FP32 * D * m.n_layer + block if checkpointing else block * m.n_layer
+    blocks = FP32 * D * m.n_layer + block if checkpointing else block * m.n_layer + value_embeds
     return batch * seq_len * (blocks + head)
 
 
