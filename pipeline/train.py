@@ -18,18 +18,16 @@ import tiktoken
 import torch
 
 from data_prep.shards import load_manifest
-from data_prep.tokenizer import dataset_tokenizer, encode_prompt, eot_id, token_byte_lengths
-from model import GPT, ModelConfig, generate
+from data_prep.tokenizer import dataset_tokenizer, token_byte_lengths
+from model import GPT, ModelConfig
 from pipeline import attention, budget
 from pipeline.checkpoint import format as ckpt
 from pipeline.checkpoint.async_writer import Checkpointer
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import (
-    ConfigError,
     DataConfig,
     EvalConfig,
     JobConfig,
-    SampleConfig,
     TrainConfig,
     config_to_dict,
     derive,
@@ -52,6 +50,7 @@ from pipeline.parallel.parallelize import (
     resolve_choices,
     resolve_parallel,
 )
+from pipeline.samples import Samples
 
 log = get_logger()
 
@@ -95,19 +94,6 @@ def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, eval_cfg: EvalConfi
     return TrainData(tokenizer, tokenizer_dir, token_bytes, loader, val, is_mixture(data_cfg))
 
 
-def sample_prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) -> list[list[int]]:
-    """The sample prompts as token ids, each checked here to leave room for new tokens: a prompt
-    too long for the model then stops the run before step 1, not at its last step."""
-    prompts = [encode_prompt(enc, text) for text in sc.prompts]
-    for i, ids in enumerate(prompts):
-        try:
-            sc.params().fit(len(ids), context)
-        except ValueError as e:
-            raise ConfigError(f"sample.prompts[{i}] (with the end-of-text token every prompt "
-                              f"starts with): {e}, or raise model.max_seq_len") from None
-    return prompts
-
-
 def build_parallel(model: GPT, train_cfg: TrainConfig, precision: Precision,
                    info: DistInfo) -> ParallelModel:
     """train_cfg.compile, .attention and .loss resolved (Trainer._resolve_choices)."""
@@ -144,10 +130,10 @@ class Trainer:
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
                                grad_accum_steps=grad_accum_steps, info=info,
                                max_steps=lambda: self.cfg.train.max_steps)
-        self.sample_prompts = sample_prompt_ids(cfg.sample, self.data.tokenizer,
-                                                self.model_cfg.max_seq_len)
         self.precision = Precision.resolve(cfg.train.dtype, info.device)
-        self.sample_precision = Precision.resolve(cfg.train.dtype, info.device, "sample")
+        self.samples = Samples(cfg.sample, self.data.tokenizer, self.model_cfg,
+                               Precision.resolve(cfg.train.dtype, info.device, "sample"), info,
+                               cfg.train.seed)
         self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/parallel/materialize.py)
         self._resolve_choices(None if resume_meta is None else resume_meta.config)
         self.parallel = build_parallel(self.model, self.cfg.train, self.precision, info)
@@ -165,7 +151,6 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
         self.recompiles = RecompileWatch()
         self.stop_requested = False
-        self.sampler: GPT | None = None
 
     def _resolve_choices(self, started: JobConfig | None) -> None:
         """train.compile's, .attention's and .loss's choices (parallelize.resolve_choices) into
@@ -273,22 +258,7 @@ class Trainer:
                 "val_bpb": means["val_bpb"]} | record
 
     def run_samples(self) -> list[str]:
-        """Rank 0 generates from an unsharded eager copy (all ranks join the weight gather)."""
-        if not self.sample_prompts:  # sample.prompts = []: samples are off
-            return []
-        state = ckpt.full_model_state(self.parallel.module)
-        if not self.info.is_main:
-            return []
-        if self.sampler is None:
-            self.sampler = GPT(self.model_cfg).to(self.info.device)
-        self.sampler.load_state_dict(state, strict=False)
-        prompts, tokenizer = self.sample_prompts, self.data.tokenizer
-        sampling = self.cfg.sample.params(seed=self.cfg.train.seed)
-        sampling = sampling.fit(max(map(len, prompts)), self.model_cfg.max_seq_len)
-        with self.sample_precision.autocast(self.sampler):
-            outs = generate(self.sampler, prompts, sampling, stop_token=eot_id(tokenizer))
-        texts = self.cfg.sample.prompts
-        return [p + tokenizer.decode(o) for p, o in zip(texts, outs, strict=True)]
+        return self.samples(self.parallel.module)
 
     def meta(self, with_loader: bool) -> ckpt.CheckpointMeta:
         return ckpt.CheckpointMeta(
