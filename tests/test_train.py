@@ -122,15 +122,9 @@ def test_dry_run_prints_resolved_config(tmp_path):
     assert "max_steps = 7" in res.stdout and "accumulation" in res.stdout.lower()
 
 
-@pytest.mark.slow
-def test_compiled_training_matches_eager(tiny_data, tmp_path):
-    """...and train.compile = auto on CPU runs eager (pipeline.parallel.parallelize.resolve_compile),
-    which the run's config records as resolved."""
-    Trainer(cfg_for(tiny_data, tmp_path / "eager", "--train.max_steps", "6"), CPU).fit()
-    Trainer(cfg_for(tiny_data, tmp_path / "comp", "--train.max_steps", "6", "--train.compile", "on"), CPU).fit()
-    eager, comp = losses(tmp_path / "eager"), losses(tmp_path / "comp")
-    assert sorted(eager) == sorted(comp) == list(range(1, 7))
-    assert max(abs(eager[s] - comp[s]) for s in eager) < 1e-4
+def test_auto_compile_on_cpu_is_off_and_recorded(tiny_data, tmp_path):
+    """train.compile = auto on CPU runs eager (pipeline.parallel.parallelize.resolve_compile), as
+    the run's config records; compiled training equal to eager is tests/test_compiled_ddp.py's."""
     trainer = Trainer(cfg_for(tiny_data, tmp_path / "auto", "--train.compile", "auto"), CPU)
     assert trainer.cfg.train.compile == "off"
     assert load_config(str(tmp_path / "auto" / "config.toml"), []).train.compile == "off"
