@@ -6,8 +6,9 @@ zero_init, value_embeds, an untied head) reach the Muon baseline's final val los
     python -m bench.recipe --preset qk_norm,relu2 --report-only
 
 The built-in corpus (builtin:pystdlib) with a trained 2,048-id BPE, prepared once into --data;
-configs/tiny.toml's run (Muon, cosine) at a smaller shape (SHAPE: d_model 128, 4 layers, seq 128,
-1,024 tokens a step), fp32, eager, --threads torch threads, trained by the pipeline's own Trainer in this process. Every
+configs/tiny.toml's run (Muon, cosine) at a --shape of SHAPES (default the issue's: d_model 256,
+4 layers, seq 256, 1,024 tokens a step, 300 steps), fp32, eager, --threads torch threads, trained
+by the pipeline's own Trainer in this process. Every
 variant sees the same seeds, hence the same initial draws and batches; all are evaluated on the
 same val tokens every --eval-every steps. A finished run (its final step in metrics.jsonl) is
 not run again, so adding a variant costs only its own runs.
@@ -43,12 +44,22 @@ from bench.speedrun import reach, read_records
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-SHAPE = [
-    "--model.d_model", "128", "--model.n_layer", "4", "--model.n_head", "4", "--model.n_kv_head", "2",
-    "--model.max_seq_len", "128", "--data.seq_len", "128", "--train.global_batch_tokens", "1024",
-    "--train.micro_batch_size", "8", "--train.dtype", "fp32", "--train.compile", "off",
-    "--optim.name", "muon", "--train.loss", "full",
-]
+SHAPES = {  # name: (d_model, n_layer, n_head, n_kv_head, seq_len, micro-batch rows)
+    "small": (128, 4, 4, 2, 128, 8),  # the first ablation's, 1,024 tokens a step
+    "issue": (256, 4, 4, 2, 256, 4),  # the issue's (d_model 256, 4 layers, seq 256), 1,024 tokens a step
+}
+
+
+def shape_flags(shape: str) -> list[str]:
+    d, n_layer, n_head, n_kv, seq, rows = SHAPES[shape]
+    return [
+        "--model.d_model", str(d), "--model.n_layer", str(n_layer), "--model.n_head", str(n_head),
+        "--model.n_kv_head", str(n_kv), "--model.max_seq_len", str(seq), "--data.seq_len", str(seq),
+        "--train.global_batch_tokens", str(seq * rows), "--train.micro_batch_size", str(rows),
+        "--train.dtype", "fp32", "--train.compile", "off", "--optim.name", "muon", "--train.loss", "full",
+    ]
+
+
 OPTIONS = {
     "qk_norm": ["--model.qk_norm", "true"],
     "relu2": ["--model.mlp", "relu2"],
@@ -71,7 +82,8 @@ def job_config(data: Path, out: Path, seed: int, args, extra: list[str]):
     from pipeline.config import load_config
 
     flags = [
-        "--data.path", str(data), "--log.out_dir", str(out), "--train.seed", str(seed), *SHAPE,
+        "--data.path", str(data), "--log.out_dir", str(out), "--train.seed", str(seed),
+        *shape_flags(args.shape),
         "--train.max_steps", str(args.steps), "--optim.warmup_steps", str(max(1, args.steps // 10)),
         "--eval.every", str(args.eval_every), "--eval.tokens", str(args.eval_tokens),
         "--sample.every", "0", "--sample.max_new_tokens", "1", "--checkpoint.every", "0",
@@ -122,7 +134,8 @@ def step_times(data: Path, names: list[str], preset: list[str], args) -> dict[st
         model = GPT(dataclasses.replace(cfg.model, vocab_size=2048))
         step_model = torch.compile(model) if args.compiled else model  # compiled in the warm-up
         setups[name] = (step_model, build_optimizer(model, cfg.optim, torch.device("cpu")))
-    idx_BT = torch.randint(0, 2048, (8, 129))
+    _, _, _, _, seq, rows = SHAPES[args.shape]
+    idx_BT = torch.randint(0, 2048, (rows, seq + 1))
     samples: dict[str, list[float]] = {name: [] for name in names}
     # Round 0 warms up (first-step allocations, optimizer state) and is not counted.
     for rnd in range(args.timing_rounds + 1 if args.timing_rounds else 0):
@@ -198,7 +211,7 @@ def table(rows: list[dict], preset: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: dict[str, list[list[dict]]], png: Path) -> None:
+def plot(records: dict[str, list[list[dict]]], png: Path, shape: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,10 +225,11 @@ def plot(records: dict[str, list[list[dict]]], png: Path) -> None:
             steps, losses = zip(*points, strict=True)
             ax.plot(steps, losses, "-", color=colors(k), lw=2.2 if name == "preset" else 1, alpha=0.7,
                     label=name if i == 0 else None)
-    ax.set_xlabel("step (1,024 tokens each)")
+    d, n_layer, _, _, seq, rows = SHAPES[shape]
+    ax.set_xlabel(f"step ({seq * rows:,} tokens each)")
     ax.set_ylabel("val loss (nats/token), same val tokens")
     ax.set_ylim(top=min(7.5, ax.get_ylim()[1]))
-    ax.set_title("recipe ablation, Muon, d128 L4 seq128 (one line per seed)")
+    ax.set_title(f"recipe ablation, Muon, d{d} L{n_layer} seq{seq} (one line per seed)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -259,9 +273,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "recipe")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ",".join(VARIANTS))
     p.add_argument("--preset", default="", help="options the 'preset' variant combines (comma-separated)")
+    p.add_argument("--shape", default="issue", choices=sorted(SHAPES),
+                   help="model and batch shape (SHAPES); 'small' is the first ablation's")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--eval-every", type=int, default=6)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads: on a busy shared host one thread is not stalled waiting "
@@ -293,12 +309,12 @@ def main() -> int:
     text = (f"{header()}\ncommit {commit}; {args.seeds} seeds x {args.steps} steps, eval "
             f"{args.eval_tokens} val tokens every {args.eval_every} steps; training {train_s:.0f} s; "
             f"step times: {args.timing_rounds} interleaved rounds x {args.timing_steps} steps, "
-            f"{'compiled' if args.compiled else 'eager'}, "
+            f"{'compiled' if args.compiled else 'eager'}, shape {args.shape} {SHAPES[args.shape]}, "
             f"fp32, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}\n{table(rows, preset)}\n")
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "recipe.txt").write_text(text)
-    plot(records, args.out / "recipe.png")
+    plot(records, args.out / "recipe.png", args.shape)
     curves = {n: [[(r["step"], r["val_loss"]) for r in recs if "val_loss" in r] for recs in runs]
               for n, runs in records.items()}
     (args.out / "results.json").write_text(json.dumps({"rows": rows, "curves": curves}, indent=1))
