@@ -1,29 +1,31 @@
-"""What a DCP checkpoint's storage index may claim, checked before anything is built or read.
+"""What a DCP checkpoint's `.metadata` may claim, checked before anything is built or read.
 
-`.metadata` names, for every tensor, the chunks it is stored in and, for every chunk, a byte
-range of a `__R_N.distcp` file. DCP trusts all of it: a checkpoint whose index declares a 600M-
-parameter model over a 64-byte file made eval allocate the model (2.3 GiB) before the first read
-failed, and a storage transform (`stream.zstd/1`) made DCP decompress an entry whole into memory.
-So, before a model or any buffer is sized by the checkpoint:
+DCP trusts its index: every storage path is joined to the directory as it is, every byte range
+and tensor size is believed, a storage transform is decoded whole. A crafted index declaring a
+600M-parameter model over a 64-byte file made eval allocate the model (2.3 GiB) before the first
+read failed, and `stream.zstd/1` made DCP decompress an entry whole into memory. So:
 
-- a storage entry has only the fields lmforge writes (path, offset, length: never a transform);
-- its byte range lies within its file, and no two ranges of one file overlap;
-- every tensor is covered by its chunks, each chunk inside the tensor, and each chunk's bytes
-  (elements x element size) fit in the range that stores it.
+- every entry is a tensor, or bytes for an optimizer's param-group settings (all lmforge writes);
+- every storage entry is a path, offset and length (never a transform) naming a byte range of a
+  regular `__R_N.distcp` file in the directory, and no two ranges of one file overlap;
+- every tensor is covered by its chunks, each inside the tensor, each chunk's bytes (elements x
+  element size) within the range that stores it.
 
-Together: the bytes of every tensor the checkpoint declares are at most the bytes of its files,
-so what lmforge allocates for a checkpoint is bounded by what is on disk, not by what it says.
+Together: what lmforge allocates for a checkpoint is bounded by the bytes on disk.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import stat
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -32,42 +34,63 @@ from torch.distributed.checkpoint.metadata import (
 
 from pipeline.errors import refusal
 
-# The fields of the _StorageInfo entries lmforge writes (DCP leaves transform_descriptors unset).
-STORAGE_FIELDS = {"relative_path", "offset", "length"}
+STORAGE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+BYTES_KEY = re.compile(r"^optim\.param_groups\.\d+\.\w+$")  # lr, betas, its params' names, ...
+STORAGE_FIELDS = {"relative_path", "offset", "length"}  # DCP leaves transform_descriptors unset
 
 
 def _is_count(v: object) -> bool:
     return type(v) is int and v >= 0
 
 
-def check_storage_fields(index: MetadataIndex, info: _StorageInfo, where: Path) -> None:
-    """Only path, offset and length: a transform (compression) is refused before any read."""
-    extra = {k: v for k, v in vars(info).items() if k not in STORAGE_FIELDS and v}
-    if extra:
-        raise refusal(where, f"storage of {index.fqn!r} has fields lmforge never writes "
-                             f"({', '.join(f'{k}={v!r}' for k, v in extra.items())}); a storage "
-                             "transform would be decoded whole into memory before any check")
-    if not (_is_count(info.offset) and _is_count(info.length)):
-        raise refusal(where, f"storage of {index.fqn!r} has a bad offset or length")
+def check_metadata(md: object, directory: Path, where: Path) -> None:
+    """A refusal naming the first claim of `md` (the module docstring's) that does not hold."""
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise refusal(where, "it does not hold DCP Metadata")
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(entry, TensorStorageMetadata | BytesStorageMetadata):
+            raise refusal(where, f"entry {key!r} is neither a tensor nor bytes")
+        if isinstance(entry, BytesStorageMetadata) and not BYTES_KEY.match(key):
+            raise refusal(where, f"it stores {key!r} as pickled bytes; lmforge writes bytes only "
+                                 "for optimizer param-group settings")
+    if not isinstance(md.storage_data, dict):
+        raise refusal(where, "it has no storage index")
+    _check_storage(md.storage_data, directory, where)
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tensor(key, entry, md.storage_data, where)
 
 
-def check_ranges(storage: dict, directory: Path, where: Path) -> None:
-    """Every entry's byte range within its (regular) file; no two ranges of a file overlap."""
+def _check_storage(storage: dict, directory: Path, where: Path) -> None:
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in storage.items():
-        by_file.setdefault(info.relative_path, []).append(
-            (info.offset, info.offset + info.length, index.fqn))
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise refusal(where, "its storage index holds foreign objects")
+        name = info.relative_path
+        if not isinstance(name, str) or not STORAGE_FILE.match(name):
+            raise refusal(where, f"it points {index.fqn!r} at {name!r}; only DCP's own "
+                                 "__R_N.distcp files inside the checkpoint are read")
+        if extra := {k: v for k, v in vars(info).items() if k not in STORAGE_FIELDS and v}:
+            shown = ", ".join(f"{k}={v!r}" for k, v in extra.items())
+            raise refusal(where, f"storage of {index.fqn!r} has fields lmforge never writes "
+                                 f"({shown}); a storage transform would be decoded whole into "
+                                 "memory before any check")
+        if not (_is_count(info.offset) and _is_count(info.length)):
+            raise refusal(where, f"storage of {index.fqn!r} has a bad offset or length")
+        by_file.setdefault(name, []).append((info.offset, info.offset + info.length, index.fqn))
     for name, ranges in by_file.items():
         try:
-            size = os.stat(directory / name).st_size
+            st = os.lstat(directory / name)
         except OSError:
             raise refusal(where, f"it stores tensors in {name}, which is missing") from None
-        ranges.sort()
+        if not stat.S_ISREG(st.st_mode):
+            raise refusal(where, f"{name} is a symbolic link or not a file; checkpoint files "
+                                 "must be regular files")
         end, last = 0, ""
-        for start, stop, fqn in ranges:
-            if stop > size:
+        for start, stop, fqn in sorted(ranges):
+            if stop > st.st_size:
                 raise refusal(where, f"storage of {fqn!r} ends at byte {stop:,} of {name}, "
-                                     f"which holds {size:,}")
+                                     f"which holds {st.st_size:,}")
             if start < end:
                 raise refusal(where, f"storage of {fqn!r} overlaps that of {last!r} in {name}")
             end, last = stop, fqn
@@ -81,8 +104,7 @@ def _chunk_ok(chunk: object, size: tuple[int, ...]) -> bool:
         _is_count(o) and _is_count(n) and o + n <= s for o, n, s in zip(offsets, sizes, size))
 
 
-def check_tensor(key: str, entry: TensorStorageMetadata, storage: dict, where: Path) -> None:
-    """The tensor `key` covered by its chunks, each chunk's bytes within its storage range."""
+def _check_tensor(key: str, entry: TensorStorageMetadata, storage: dict, where: Path) -> None:
     size = tuple(entry.size)
     dtype = getattr(entry.properties, "dtype", None)
     if not (all(_is_count(s) for s in size) and isinstance(dtype, torch.dtype)
@@ -101,13 +123,3 @@ def check_tensor(key: str, entry: TensorStorageMetadata, storage: dict, where: P
     if covered < math.prod(size):
         raise refusal(where, f"the chunks of tensor {key!r} {size} cover {covered:,} of its "
                              f"{math.prod(size):,} elements")
-
-
-def check_sizes(md: Metadata, directory: Path, where: Path) -> None:
-    """Every storage range within its file, every tensor within its storage (module docstring);
-    `md`'s storage entries already checked by check_storage_fields."""
-    storage = md.storage_data
-    check_ranges(storage, directory, where)
-    for key, entry in md.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            check_tensor(key, entry, storage, where)

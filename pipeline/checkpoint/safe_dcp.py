@@ -1,18 +1,14 @@
 """Reading a DCP checkpoint without trusting its files.
 
-A checkpoint may come from anyone (a download, a shared drive), so nothing in it may run code or
-make us read outside its directory. DCP trusts its files in three places, each closed here:
+A checkpoint may come from anyone (a download, a shared drive), so nothing in it may run code,
+make us read outside its directory or size our memory. DCP trusts its files in three places:
 
 - `.metadata` is a pickle: read through an unpickler that admits only the classes DCP writes,
-  then checked for shape (the right types, storage files named as DCP names them).
+  then checked (pipeline.checkpoint.dcp_checks): every storage file one of DCP's own, a regular
+  file in the directory, and every size it declares bounded by the bytes of its files.
 - Non-tensor entries ("bytes") are unpickled by `DefaultLoadPlanner.load_bytes` with
   `weights_only=False`: `SafeLoadPlanner` loads them with `weights_only=True`, and `check_against`
-  refuses, before DCP reads a byte, a bytes entry where the model or optimizer holds a tensor and
-  any bytes entry other than an optimizer's param-group settings (all lmforge ever writes).
-- `_StorageInfo.relative_path` is joined to the directory as it is: only DCP's own file names
-  (`__R_N.distcp`), as regular files in the directory (no symlinks), are read.
-- The sizes it declares are sized by nothing but itself: pipeline.checkpoint.dcp_checks bounds every tensor
-  it declares by the bytes of its files, and refuses storage transforms, before a model is built.
+  refuses, before DCP reads a byte, a bytes entry where the model or optimizer holds a tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
-import re
 import warnings
 from pathlib import Path
 
@@ -29,16 +24,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
 
-from pipeline.checkpoint.dcp_checks import check_sizes, check_storage_fields
+from pipeline.checkpoint.dcp_checks import check_metadata
 from pipeline.errors import CheckpointError, refusal
 
 # DCP warns on every save and load in one process (no_dist), which for us is a normal, intended
@@ -52,11 +45,6 @@ def single_process_ok():
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
 
-
-STORAGE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-# The only non-tensor entries lmforge writes: each optimizer param group's settings (lr, betas,
-# the names of its params, ...), all plain Python values.
-BYTES_KEY = re.compile(r"^optim\.param_groups\.\d+\.\w+$")
 
 # Every global a DCP .metadata pickle names (torch 2.x): its dataclasses, torch.Size, dtypes,
 # layouts (rebuilt by name) and the checkpoint path. Anything else is refused.
@@ -81,8 +69,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader: .metadata through the allow-list unpickler, then validated, so
-    every storage file it names is a plain DCP file inside the checkpoint directory."""
+    """DCP's FileSystemReader: .metadata through the allow-list unpickler, then checked."""
 
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -93,36 +80,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, use another") from None
         except Exception as e:  # any malformed pickle: one line, never a traceback
             raise refusal(path, f"not DCP metadata lmforge can read safely ({e})") from None
-        _check_metadata(metadata, Path(self.path), path)
+        check_metadata(metadata, Path(self.path), path)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-def _check_metadata(md: object, directory: Path, where: Path) -> None:
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise refusal(where, "it does not hold DCP Metadata")
-    for key, entry in md.state_dict_metadata.items():
-        if not isinstance(key, str) or not isinstance(entry, TensorStorageMetadata | BytesStorageMetadata):
-            raise refusal(where, f"entry {key!r} is neither a tensor nor bytes")
-        if isinstance(entry, BytesStorageMetadata) and not BYTES_KEY.match(key):
-            raise refusal(where, f"it stores {key!r} as pickled bytes; lmforge writes bytes only "
-                                 "for optimizer param-group settings")
-    storage = md.storage_data if isinstance(md.storage_data, dict) else None
-    if storage is None:
-        raise refusal(where, "it has no storage index")
-    for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise refusal(where, "its storage index holds foreign objects")
-        name = info.relative_path
-        if not isinstance(name, str) or not STORAGE_FILE.match(name):
-            raise refusal(where, f"it points {index.fqn!r} at {name!r}; only DCP's own "
-                                 "__R_N.distcp files inside the checkpoint are read")
-        if (directory / name).is_symlink():
-            raise refusal(where, f"{name} is a symbolic link; checkpoint files must be regular files")
-        check_storage_fields(index, info, where)
-    check_sizes(md, directory, where)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
