@@ -1,27 +1,17 @@
 """The checkpoint format: defined here once, versioned, validated on read.
 
-A checkpoint (RUN/checkpoints/step_00000100/ of the run directory, pipeline.checkpoint.run_dir) holds:
+RUN/checkpoints/step_00000100/ (run_dir.py) holds meta.json (CheckpointMeta, written last),
+the model and optimizer as torch.distributed.checkpoint (DCP: FSDP-sharded, reshardable to any
+number of ranks), each rank's rng_rank*.pt and tokenizer/; RUN/final/, the consolidated export
+for eval / sample / export, holds meta.json, model.safetensors and tokenizer/. Every checkpoint
+carries its tokenizer, so one directory is enough to evaluate or sample.
 
-    meta.json                 written last: CheckpointMeta (format, version, step, model, job
-                              config, lineage, loader position, counters)
-    .metadata, __*_*.distcp   model + optimizer, torch.distributed.checkpoint (DCP): sharded by
-                              FSDP, reshardable to any number of ranks
-    rng_rank00000.pt ...      each rank's RNG states
-    tokenizer/                the vocabulary (data_prep's tokenizer directory)
-
-and RUN/final/, the consolidated export for eval / sample / export, holds meta.json,
-model.safetensors and tokenizer/.
-
-A checkpoint is written into `NAME.tmp` and renamed to `NAME` only when every rank has finished
-and meta.json is in place, so a crash mid-save never leaves a directory that looks complete.
-Every checkpoint carries its tokenizer, so a single directory is enough to evaluate or sample.
-
-"Newest" means newest of the run's current line of checkpoints: resuming from an older checkpoint
-than the newest (a rollback) moves the newer ones, and a final/ export past that step, aside into
-checkpoints/abandoned/, so keep-K, `--resume auto` and `--ckpt RUN` never pick the abandoned branch.
-Opening someone else's checkpoint can neither run code nor read outside it: DCP is read through
-pipeline.checkpoint.safe_dcp, tensors and RNG states with weights_only=True, meta.json as typed JSON, and
-no file of a checkpoint is ever copied through a symbolic link.
+A checkpoint is written as NAME.tmp and renamed once every rank is done and meta.json is in
+place: a crash mid-save never leaves a directory that looks complete. Resuming from an older
+checkpoint than the newest (a rollback) moves the newer ones aside into checkpoints/abandoned/,
+so keep-K, `--resume auto` and `--ckpt RUN` never pick the abandoned branch. Opening someone
+else's checkpoint can neither run code nor read outside it: DCP through safe_dcp, tensors and
+RNG states with weights_only=True, meta.json as typed JSON, no file copied through a symlink.
 """
 
 from __future__ import annotations
@@ -65,10 +55,6 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-# --------------------------------------------------------------------------------------------
-# The metadata of every checkpoint
-
-
 @dataclass
 class CheckpointMeta:
     """meta.json, written last in every checkpoint: its presence means the checkpoint is complete."""
@@ -98,10 +84,9 @@ class CheckpointMeta:
             found = d.get("format") if isinstance(d, dict) else d
             raise CheckpointError(f"{where} is not an lmforge checkpoint (format={found!r})")
         if d.get("version") != VERSION:
-            raise CheckpointError(
-                f"{where} has checkpoint format version {d.get('version')}, this lmforge reads "
-                f"version {VERSION}; use the lmforge version that wrote it"
-            )
+            raise CheckpointError(f"{where} has checkpoint format version {d.get('version')}, "
+                                  f"this lmforge reads version {VERSION}; use the lmforge "
+                                  "version that wrote it")
         try:
             return cls(
                 step=int(d["step"]), model=ModelConfig.from_dict(d["model"]),
@@ -110,37 +95,28 @@ class CheckpointMeta:
                 bad_steps=int(d["bad_steps"]), loader=d["loader"], record=d.get("record"),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as e:
-            raise CheckpointError(
-                f"{where}/meta.json is invalid ({type(e).__name__}: {e}); use another checkpoint"
-            ) from None
+            raise CheckpointError(f"{where}/meta.json is invalid ({type(e).__name__}: {e}); use "
+                                  "another checkpoint") from None
 
 
 def new_lineage() -> str:
     return uuid.uuid4().hex[:12]
 
 
-# --------------------------------------------------------------------------------------------
-# Finding checkpoints
-
-
 def list_complete(ckpt_root: Path) -> list[Path]:
     """Complete step checkpoints under RUN/checkpoints, oldest first."""
     if not ckpt_root.is_dir():
         return []
-    found = [
-        p for p in ckpt_root.iterdir()
-        if p.is_dir() and STEP_DIR.match(p.name) and (p / "meta.json").is_file()
-    ]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(p for p in ckpt_root.iterdir()
+                  if p.is_dir() and STEP_DIR.match(p.name) and (p / "meta.json").is_file())
 
 
 def read_meta(ckpt_dir: Path) -> CheckpointMeta:
     meta_path = ckpt_dir / "meta.json"
     if not meta_path.is_file():
-        raise CheckpointError(
-            f"{ckpt_dir} is not a complete lmforge checkpoint (no meta.json); "
-            "pass a run directory, a checkpoints/step_* directory or a final/ export"
-        )
+        raise CheckpointError(f"{ckpt_dir} is not a complete lmforge checkpoint (no meta.json); "
+                              "pass a run directory, a checkpoints/step_* directory or a final/ "
+                              "export")
     try:
         d = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
@@ -164,56 +140,42 @@ def resolve(path: str | Path) -> Path:
     if (final / "meta.json").is_file():
         candidates.append(final)
     if not candidates:
-        raise CheckpointError(
-            f"no complete checkpoint in {p} (expected meta.json, checkpoints/step_*/ or final/)"
-        )
+        raise CheckpointError(f"no complete checkpoint in {p} (expected meta.json, "
+                              "checkpoints/step_*/ or final/)")
     return max(candidates, key=lambda c: (read_meta(c).step, c == final))
-
-
-def resolve_resumable(path: str | Path) -> Path:
-    """--resume PATH: a step checkpoint, or a run directory's newest one (final/ holds no
-    optimizer state)."""
-    p = Path(path)
-    if p.is_dir() and not (p / "meta.json").is_file() and list_complete(RunDir(p).checkpoints):
-        return list_complete(RunDir(p).checkpoints)[-1]
-    ckpt = resolve(p)
-    if not (ckpt / ".metadata").is_file():
-        raise CheckpointError(
-            f"{ckpt} is an export without optimizer state and cannot be resumed; pass a "
-            "checkpoints/step_* directory"
-        )
-    return ckpt
 
 
 def find_resume(resume: str, run_dir: Path) -> Path | None:
     """The checkpoint a run into `run_dir` starts from, by `checkpoint.resume`: none (and the
     directory holds no checkpoint: a run never silently restarts over another), auto (the
-    newest complete one, if any) or a path."""
+    newest complete one, if any) or a path (a step checkpoint, or a run directory's newest one:
+    final/ holds no optimizer state)."""
     existing = list_complete(RunDir(run_dir).checkpoints)
     if resume == "none" and existing:
-        raise ConfigError(
-            f"{run_dir} already holds checkpoints (newest {existing[-1].name}); pass "
-            "--resume auto to continue that run, or set --log.out_dir to a new directory"
-        )
+        raise ConfigError(f"{run_dir} already holds checkpoints (newest {existing[-1].name}); "
+                          "pass --resume auto to continue that run, or set --log.out_dir to a "
+                          "new directory")
     if resume in ("none", "auto") and not existing:
-        check_nothing_to_overwrite(RunDir(run_dir))
+        # Nor over the final/ model of an earlier run whose checkpoints are gone (the metrics of
+        # a start killed before its first checkpoint are dropped, logged, by trim_metrics).
+        if RunDir(run_dir).final.exists():
+            raise ConfigError(f"{run_dir} holds a finished run (final/) and no checkpoint to "
+                              "resume from; set --log.out_dir to a new directory, or delete it "
+                              "to start over")
         return None
-    return existing[-1] if resume == "auto" else resolve_resumable(resume)
+    if resume == "auto":
+        return existing[-1]
+    steps = list_complete(RunDir(resume).checkpoints)
+    ckpt = steps[-1] if steps and not (Path(resume) / "meta.json").is_file() else resolve(resume)
+    if not (ckpt / ".metadata").is_file():
+        raise CheckpointError(f"{ckpt} is an export without optimizer state and cannot be "
+                              "resumed; pass a checkpoints/step_* directory")
+    return ckpt
 
 
-def check_nothing_to_overwrite(run: RunDir) -> None:
-    """A fresh start may not write over the final/ model of an earlier run whose checkpoints are
-    gone. (A start killed before its first checkpoint left only metrics: those are dropped,
-    logged, by trim_metrics.)"""
-    if run.final.exists():
-        raise ConfigError(f"{run.root} holds a finished run ({run.final.name}/) and no checkpoint "
-                          "to resume from; set --log.out_dir to a new directory, or delete it to "
-                          "start over")
-
-
-def _step_or_none(ckpt_dir: Path) -> int | None:
+def _meta_or_none(ckpt_dir: Path) -> CheckpointMeta | None:
     try:
-        return read_meta(ckpt_dir).step
+        return read_meta(ckpt_dir)
     except CheckpointError:
         return None
 
@@ -231,16 +193,15 @@ def abandon_newer(run_dir: Path, step: int, resumed: Path) -> Path | None:
     moved = [c for c in list_complete(root)
              if int(STEP_DIR.match(c.name)[1]) > step - (1 if foreign else 0)]
     final = RunDir(run_dir).final
-    final_step = _step_or_none(final) if (final / "meta.json").is_file() else None
-    if final_step is not None and (foreign or final_step > step):
+    final_meta = _meta_or_none(final)
+    if final_meta is not None and (foreign or final_meta.step > step):
         moved.insert(0, final)  # first: a crash mid-move must not leave final/ as the newest
     if not moved:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = RunDir(run_dir).abandoned / f"{stamp}_after_{step_dir_name(step)}"
-    n = 1
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}_after_{step_dir_name(step)}"
+    dest, n = RunDir(run_dir).abandoned / name, 1
     while dest.exists():
-        dest, n = dest.with_name(f"{stamp}_after_{step_dir_name(step)}_{n}"), n + 1
+        dest, n = dest.with_name(f"{name}_{n}"), n + 1
     dest.mkdir(parents=True)
     for c in moved:
         c.rename(dest / c.name)
@@ -249,42 +210,15 @@ def abandon_newer(run_dir: Path, step: int, resumed: Path) -> Path | None:
     return dest
 
 
-# --------------------------------------------------------------------------------------------
-# Training checkpoints (resumable)
-
-
-def _rng_state() -> dict:
-    # Only torch's generators: the loader and sampler use their own seeded generators, and
-    # tensors alone keep the file loadable with weights_only=True.
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_training(
-    run_dir: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    meta: CheckpointMeta,
-    tokenizer_dir: Path,
-    info: DistInfo,
-    keep: int,
-) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory.
-    (pipeline/checkpoint/async_writer.py runs the same three phases with the write in the background.)"""
+def save_training(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  meta: CheckpointMeta, tokenizer_dir: Path, info: DistInfo, keep: int) -> Path:
+    """Collective: the checkpoint of meta.step; returns its directory. (async_writer.py runs the
+    same three phases with the write in the background.)"""
     tmp, final = begin_save(run_dir, meta.step, info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with single_process_ok():
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not info.is_distributed
-        )
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                 no_dist=not info.is_distributed)
     barrier(info)
     if info.is_main:
         finish_save(tmp, final, meta, tokenizer_dir, keep)
@@ -302,46 +236,38 @@ def begin_save(run_dir: Path, step: int, info: DistInfo) -> tuple[Path, Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(info)
-    torch.save(_rng_state(), tmp / f"rng_rank{info.rank:05d}.pt")
+    # Only torch's generators: the loader and sampler use their own seeded generators, and
+    # tensors alone keep the file loadable with weights_only=True.
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / f"rng_rank{info.rank:05d}.pt")
     return tmp, final
 
 
-def finish_save(tmp: Path, final: Path, meta: CheckpointMeta, tokenizer_dir: Path, keep: int) -> None:
-    """Rank 0, once every rank's part of `tmp` is written: tokenizer, meta.json last, the rename
-    that makes it complete, keep-K."""
+def finish_save(tmp: Path, final: Path, meta: CheckpointMeta, tokenizer_dir: Path,
+                keep: int) -> None:
+    """Rank 0, once every rank's part of `tmp` is written: complete it, then keep-K."""
+    _complete(tmp, final, meta, tokenizer_dir)
+    _drop_oldest(final.parent, meta.lineage, keep)
+
+
+def _complete(tmp: Path, final: Path, meta: CheckpointMeta, tokenizer_dir: Path) -> None:
+    """The tokenizer, meta.json last, then the rename that makes `final` complete."""
     copy_plain_tree(tokenizer_dir, tmp / "tokenizer")
-    _write_json(tmp / "meta.json", meta.to_json())
+    (tmp / "meta.json").write_text(json.dumps(meta.to_json(), indent=2, sort_keys=True) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    _drop_oldest(final.parent, meta.lineage, keep)
 
 
 def _drop_oldest(root: Path, lineage: str, keep: int) -> None:
     """keep-K over this run's line only: a checkpoint of another lineage (or unreadable) stays."""
-    ours = [c for c in list_complete(root) if _lineage_or_none(c) == lineage]
+    ours = [c for c in list_complete(root) if (m := _meta_or_none(c)) and m.lineage == lineage]
     for old in ours[:-keep] if keep > 0 else []:
         # Renamed first, so a crash mid-delete never leaves a half-deleted step_* that looks complete.
         doomed = old.with_name(old.name + ".deleting")
         old.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _lineage_or_none(ckpt_dir: Path) -> str | None:
-    try:
-        return read_meta(ckpt_dir).lineage
-    except CheckpointError:
-        return None
-
-
-def check_same_model(meta: CheckpointMeta, model_cfg: ModelConfig, where: Path) -> None:
-    theirs, ours = meta.model.to_dict(), model_cfg.to_dict()
-    diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
-    if diff:
-        shown = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in sorted(diff.items()))
-        raise CheckpointError(
-            f"checkpoint {where} is from another model ({shown}); "
-            "use the config it was trained with or start a new run directory"
-        )
 
 
 def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str,
@@ -350,7 +276,11 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str,
     another model or data schedule (mixture weights, phases), holds another optimizer's state or
     none. Read before anything is built, so a refused resume costs nothing."""
     meta = read_meta(ckpt_dir)
-    check_same_model(meta, model_cfg, ckpt_dir)
+    theirs, ours = meta.model.to_dict(), model_cfg.to_dict()
+    if diff := sorted(k for k, v in ours.items() if theirs.get(k) != v):
+        shown = ", ".join(f"{k}: checkpoint {theirs.get(k)} vs config {ours[k]}" for k in diff)
+        raise CheckpointError(f"checkpoint {ckpt_dir} is from another model ({shown}); use the "
+                              "config it was trained with or start a new run directory")
     check_same_schedule(meta.config.data, data, ckpt_dir)
     if meta.loader is None:
         raise CheckpointError(f"{ckpt_dir} holds no training state (an export); "
@@ -362,57 +292,42 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str,
     return meta
 
 
-def load_training(
-    ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
-) -> None:
+def load_training(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  info: DistInfo) -> None:
     """Collective: restore model + optimizer (resharding as needed) and this rank's RNG from a
     checkpoint accepted by `read_resumable`."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with single_process_ok():
         load_into(state, ckpt_dir, no_dist=not info.is_distributed)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
     rng_file = ckpt_dir / f"rng_rank{info.rank:05d}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than wrote the checkpoint
         try:
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
         except Exception as e:  # weights_only refuses code; a wrong layout is just as bad
             raise refusal(rng_file, f"not an RNG state ({type(e).__name__})") from None
 
 
-# --------------------------------------------------------------------------------------------
-# The consolidated export and inference loading
-
-
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the unsharded fp32 weights on CPU (meaningful on rank 0)."""
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
 
 
-def _drop_tied(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    # safetensors refuses aliased tensors; the tied head is rebuilt from the embedding on load.
-    return {k: v for k, v in state.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
-
-
-def save_consolidated(
-    out_dir: Path, state: dict[str, torch.Tensor], meta: CheckpointMeta, tokenizer_dir: Path
-) -> Path:
+def save_consolidated(out_dir: Path, state: dict[str, torch.Tensor], meta: CheckpointMeta,
+                      tokenizer_dir: Path) -> Path:
     """Rank 0 only: write OUT/{model.safetensors, meta.json, tokenizer/} atomically."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.contiguous() for k, v in _drop_tied(state, meta.model).items()}
+    # safetensors refuses aliased tensors; the tied head is rebuilt from the embedding on load.
+    tied = meta.model.tie_embeddings
+    tensors = {k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
-    copy_plain_tree(tokenizer_dir, tmp / "tokenizer")
-    _write_json(tmp / "meta.json", meta.to_json())
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    _complete(tmp, out_dir, meta, tokenizer_dir)
     return out_dir
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
