@@ -1,22 +1,15 @@
 """Training checkpoints written in the background (checkpoint.async_save), or in the step.
 
-`Checkpointer.save` runs checkpoint.save_training's phases: begin_save (NAME.tmp, each rank's RNG
-states), the DCP write, and rank 0's finish_save (tokenizer, meta.json last, the rename, keep-K).
-Asynchronously, the write is torch.distributed.checkpoint.async_save: the state is staged (copied
-to host memory) in the step, then written by a background thread while training goes on. Every
-rank's RNG file is in place before its write starts, and DCP's coordinator (rank 0) completes
-only after every rank's write did, so when rank 0's write is done the whole checkpoint is on disk:
-`poll`, at each step boundary on the main thread, then finishes it. Until then it is a `.tmp`
-directory, which nothing picks: a crash or SIGKILL mid-write leaves the previous checkpoint the
-newest complete one.
-
-At most one save is in flight: the next waits for it. `wait` (the last step, SIGTERM) blocks until
-it is complete. A failed write, in the background or not, removes its `.tmp` and raises
-CheckpointError: one error line (for a full disk: the space free, the space a checkpoint needs,
-and the last complete checkpoint), the run stops.
-The background write's collectives run on a gloo group of their own, so that they never
-interleave with the training step's collectives on the default group (and async_save needs a CPU
-backend, which an nccl run's default group lacks).
+In the background, the DCP write of format.save_training's three phases is DCP's async_save:
+the state is staged to host memory in the step and written by a thread while training goes on.
+DCP's coordinator (rank 0) completes only after every rank's write did, so once rank 0's is done
+the checkpoint is on disk and `poll`, at a step boundary on the main thread, finishes it (meta.json,
+the rename). Until then it is a `.tmp` that nothing picks: a crash mid-write leaves the previous
+checkpoint the newest. At most one save is in flight; `wait` (last step, SIGTERM) blocks on it.
+A failed write removes its `.tmp` and stops the run with one CheckpointError line (for a full
+disk: the space free, the space needed, the last complete checkpoint). The background write's
+collectives run on a gloo group of their own: they must not interleave with the step's on the
+default group, and async_save needs a CPU backend, which an nccl run's default group lacks.
 """
 
 from __future__ import annotations
@@ -99,7 +92,8 @@ class Checkpointer:
                                            self.info, keep)
             except (OSError, CheckpointException) as e:  # DCP's is a BaseException
                 tmp = ckpt.RunDir(run_dir).checkpoints / (ckpt.step_dir_name(meta.step) + ".tmp")
-                raise self._failed(e, tmp, _state_bytes(model, optimizer), "") from None
+                need = _nbytes(model.state_dict()) + _nbytes(optimizer.state_dict())
+                raise self._failed(e, tmp, need, "") from None
             log.info("checkpoint %s", final)
             return final
         self.wait()  # at most one in flight
@@ -131,7 +125,6 @@ class Checkpointer:
         log.info("checkpoint %s (written in the background in %.1f s)", job.final,
                  time.perf_counter() - job.started)
 
-
     def _failed(self, e: BaseException, tmp: Path, need: int, how: str) -> CheckpointError:
         """The one line of a failed save, its incomplete `tmp` removed (by rank 0)."""
         if self.info.is_main:
@@ -158,10 +151,6 @@ def _nbytes(state: object) -> int:
     if isinstance(state, list | tuple):
         return sum(_nbytes(v) for v in state)
     return state.numel() * state.element_size() if hasattr(state, "element_size") else 0
-
-
-def _state_bytes(model: nn.Module, optimizer) -> int:
-    return _nbytes(model.state_dict()) + _nbytes(optimizer.state_dict())
 
 
 def _cause(e: BaseException) -> str:
