@@ -1,11 +1,10 @@
 """Mixture weights and run locks that a review found silently wrong (#42 items 4, 5, 7), each
 through the CLI with real files: weights whose sum overflows, a resume with another mixture or
-phase plan, and lock files naming pids no process can have."""
+phase plan, and a lock file naming a pid no process can have."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 
 from bench.runs import ROOT, TINY_ARGS, env
 from pipeline.checkpoint.run_dir import RunDir
-from tests.errors import last_error, proc_error
+from tests.errors import last_error
 
 
 def lmforge(*args: str) -> subprocess.CompletedProcess:
@@ -83,15 +82,15 @@ def test_a_resume_with_another_data_schedule_is_refused(two_sources, tmp_path, c
 # ---- 7. lock files naming impossible pids --------------------------------------------------------
 
 
-@pytest.mark.parametrize("pid", [2**70, -1, 0])
-def test_a_lock_naming_an_impossible_pid_is_not_a_lock_lmforge_wrote(tiny_data, tmp_path, pid):
+def test_a_lock_file_naming_an_impossible_pid_neither_crashes_nor_blocks(tiny_data, tmp_path):
+    """The lock is the file's flock, which no process holds here: its text is never parsed."""
     run = tmp_path / "run"
     run.mkdir()
     lock = RunDir(run).lock
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "start_ticks": None,
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**70, "start_ticks": None,
                                 "since": "then"}))
     proc = lmforge("train", "--data.path", str(tiny_data), "--log.out_dir", str(run), *TINY_ARGS,
                    "--train.max_steps", "1")
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    line = proc_error(proc, "is not a lock lmforge wrote", str(lock))
-    assert os.listdir(run) == [lock.name], line  # nothing written
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not lock.exists()  # taken, then released at the end

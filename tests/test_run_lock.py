@@ -69,6 +69,9 @@ def test_the_lock_is_held_for_the_body_and_a_leftover_file_is_no_lock(tmp_path):
             pass
         with pytest.raises(ConfigError, match="is being written by another run"):
             check_unlocked(tmp_path)
+        lock.write_text("whatever it says\nTraceback")  # only its first line is ever shown
+        with pytest.raises(ConfigError, match=r"another run \(whatever it says\); wait"):
+            check_unlocked(tmp_path)
         with run_lock(tmp_path, take=False):  # every rank but rank 0
             pass
     assert not lock.exists()
