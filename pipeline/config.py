@@ -1,13 +1,7 @@
-"""Typed training configs: TOML file in, dotted command-line overrides, one validation point.
-
-Precedence is CLI > file > defaults:
+"""Typed training configs: TOML file in, dotted command-line overrides (CLI > file > defaults),
+one validation point. Each component receives only its own section (a dataclass):
 
     cfg = load_config("configs/tiny.toml", ["--train.max_steps", "100", "--optim.lr=1e-3"])
-
-Every section is a dataclass and each component receives only its own section. Enumerated
-settings are `Literal` types, so parsing checks them and error messages list the allowed values.
-Anything a user can get wrong raises `ConfigError` with one line naming the key, the value and
-the fix. An Optional field is unset by omitting it (TOML has no null) or by `--key none`.
 """
 
 from __future__ import annotations
@@ -22,23 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from data_prep.shards import atomic_write_bytes
 from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
 from pipeline.checkpoint.run_dir import RunDir
-from pipeline.data.config import (  # noqa: F401 - the data section's types, re-exported
-    DATA_KEYS,
-    DataConfig,
-    PhaseConfig,
-    SourceConfig,
-    phase_start,
-    validate_data,
-)
-from pipeline.typed_config import (  # noqa: F401 - ConfigError, parse_overrides: re-exported
-    ConfigError,
-    apply_overrides,
-    from_dict,
-    parse_overrides,
-)
+from pipeline.data.config import DATA_KEYS, DataConfig, validate_data
+from pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
 from pipeline.typed_config import bad_value as _bad
 
 if sys.version_info >= (3, 11):
@@ -47,8 +30,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 CALIBRATION_STEPS = 5
-"""Steps timed before a time budget sizes the run (pipeline.budget; the first is excluded: it
-pays for allocation and compilation). optim.warmup_steps must be at least this."""
+"""Steps timed (the first excluded) before pipeline.budget sizes a run; <= optim.warmup_steps."""
 
 
 @dataclass
@@ -56,31 +38,26 @@ class TrainConfig:
     seed: int = 1337
     """Seeds the weights, the data order and sampling."""
     global_batch_tokens: int = 16384
-    """Tokens per optimizer step over all ranks and micro-steps; fixes the optimisation, so the
-    same config trains the same way on any number of processes."""
+    """Tokens per optimizer step over all ranks and micro-steps, whatever the process count."""
     micro_batch_size: int = 8
     """Sequences per rank per micro-step (forward/backward); trades memory for accumulation."""
     max_steps: int = 200
     """Optimizer steps of the whole run (with time_budget_s: at most this many)."""
     time_budget_s: float = 0.0
-    """Wall-clock budget of the run in seconds, 0 = off: the first steps are timed and max_steps
-    lowered so that training with its evals, samples and checkpoints fits (pipeline/budget.py);
-    the chosen length is then written to the run's config.toml with the budget off."""
+    """Wall-clock budget in seconds, 0 = off: max_steps is lowered from the first steps' timings
+    so that the run with its evals, samples and checkpoints fits (then recorded in config.toml)."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """Compute dtype; master weights and optimizer state stay fp32. auto = bf16 on GPUs with bf16
-    tensor cores and on CPUs with AVX512-BF16/AMX (LMFORGE_CPU_BF16=native|emulated overrides),
-    else fp32: other CPUs emulate bf16 hundreds of times slower."""
+    """Compute dtype (weights and optimizer state stay fp32). auto = bf16 on GPUs with bf16 tensor
+    cores and CPUs with AVX512-BF16/AMX (LMFORGE_CPU_BF16=native|emulated overrides), else fp32."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the forward with its loss; auto = on for CUDA, off for CPU (a cold CPU
     compile costs more than a demo-sized run gains). Kept on resume, as attention and loss."""
     attention: Literal["auto", "sdpa", "eager"] = "auto"
-    """Attention kernel: sdpa (F.scaled_dot_product_attention: flash, O(T) memory) or eager
-    (matmul, softmax, matmul by causal query blocks). auto = sdpa, except eager on a CPU in bf16
-    at data.seq_len <= 512, where the CPU flash kernel is slow (pipeline/attention.py)."""
+    """sdpa (flash, O(T) memory) or eager (matmul, softmax, matmul by causal query blocks). auto =
+    sdpa, except eager on a CPU in bf16 at data.seq_len <= 512, where CPU flash is slow."""
     loss: Literal["auto", "full", "chunked"] = "auto"
-    """LM-head loss: full (whole logits + F.cross_entropy, as nanoGPT and torchtitan) or chunked
-    (memory O(chunk x vocab)). auto = full on CUDA unless a micro-batch's logits pass 2^30
-    elements, chunked on CPU (pipeline/loss.py)."""
+    """LM-head loss: full (whole logits + F.cross_entropy) or chunked (memory O(chunk x vocab)).
+    auto = full on CUDA unless a micro-batch's logits pass 2^30 elements, chunked on CPU."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism; auto = ddp when the world size is above 1, else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -97,9 +74,8 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
-    """adamw: AdamW for every parameter. muon: torch.optim.Muon for the transformer blocks'
-    matrices (at muon_lr), AdamW for the token embedding / LM head and the norms (at lr). Under
-    fsdp each matrix is orthogonalised whole by one rank (pipeline/optim/muon.py)."""
+    """adamw: AdamW for every parameter. muon: Muon for the transformer blocks' matrices (at
+    muon_lr), AdamW for the token embedding / LM head and the norms (at lr)."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of the warmup (with muon: the AdamW groups')."""
     min_lr_ratio: float = 0.1
@@ -156,8 +132,7 @@ class SampleConfig:
     """Prompts continued by rank 0 and logged; [] = no samples. Each must leave room for new
     tokens in model.max_seq_len (checked before step 1)."""
     max_new_tokens: int = 48
-    """At most this many tokens per sample (cut to what the longest prompt leaves); shorter than
-    `lmforge sample`'s default, since they are drawn every sample.every steps."""
+    """At most this many tokens per sample (cut to what the longest prompt leaves)."""
     # Defaults and ranges of these three are SamplingParams' (model/generate.py).
     temperature: float = SamplingParams.temperature
     """0 = greedy."""
@@ -181,11 +156,9 @@ class CheckpointConfig:
     resume: str = "none"
     """none = start fresh; auto = newest complete checkpoint in the run dir, if any; or a path."""
     async_save: bool = True
-    """Write checkpoints in the background (torch.distributed.checkpoint.async_save): the step
-    that saves only copies the state to host memory, and the checkpoint becomes complete (renamed,
-    meta.json) at a later step once written; the last step and SIGTERM wait for it. On by default:
-    the saving step stalls less (bench/results/checkpoint_stall_avx512.txt). (`async` itself is a
-    Python keyword.)"""
+    """Write checkpoints in the background: the saving step only copies the state to host memory
+    (it stalls less: bench/results/checkpoint_stall_avx512.txt); the checkpoint completes (renamed,
+    meta.json) at a later step, and the last step and SIGTERM wait for it."""
 
 
 @dataclass
@@ -215,13 +188,9 @@ class JobConfig:
 
 
 # ----------------------------------------------------------------------------- building
-# The generic typed-dataclass machinery (parsing, type checks, unknown keys) is pipeline.typed_config.
 
 def config_from_dict(d: dict[str, Any]) -> JobConfig:
-    """Build and validate a JobConfig from nested section dicts (a TOML file, a checkpoint).
-
-    Missing sections and keys take their defaults; unknown ones are errors.
-    """
+    """A validated JobConfig from nested section dicts (a TOML file, a checkpoint)."""
     cfg = from_dict(JobConfig, d)
     validate(cfg)
     return cfg
@@ -262,64 +231,52 @@ def wsd_decay_steps(max_steps: int, o: OptimConfig) -> int:
 
 def validate(cfg: JobConfig) -> None:
     """The one place where ranges and cross-field rules are checked (types are checked on input)."""
+    flat = {f"{name}.{k}": v for name, section in dataclasses.asdict(cfg).items()
+            for k, v in section.items()}
 
     def need(ok: bool, key: str, expected: str) -> None:
-        section, name = key.split(".")
         if not ok:
-            raise _bad(key, getattr(getattr(cfg, section), name), expected)
+            raise _bad(key, flat[key], expected)
 
-    # Every float of every section is finite, whatever its range below (a NaN fails no `<`).
-    for section in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            value = getattr(getattr(cfg, section.name), f.name)
-            need(not isinstance(value, float) or math.isfinite(value), f"{section.name}.{f.name}",
-                 "a finite number")
-    m, d, t, o, e, s, c, lg = (cfg.model, cfg.data, cfg.train, cfg.optim, cfg.eval, cfg.sample,
-                               cfg.checkpoint, cfg.log)
+    # Every float is finite first: a NaN fails no `<`, and no range below need exclude inf.
+    for key, value in flat.items():
+        need(not isinstance(value, float) or math.isfinite(value), key, "a finite number")
+    m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
     validate_data(d, t.max_steps)
-    need(d.seq_len >= 1, "data.seq_len", ">= 1")
+    for key, least in {"data.seq_len": 1, "train.seed": 0, "train.global_batch_tokens": 1,
+                       "train.micro_batch_size": 1, "train.max_steps": 1, "train.max_bad_steps": 1,
+                       "optim.warmup_steps": 0, "optim.weight_decay": 0,
+                       "optim.muon_momentum_warmup_steps": 0, "optim.muon_weight_decay": 0,
+                       "eval.tokens": 1, "eval.batch_size": 1, "checkpoint.keep": 1,
+                       "log.log_every": 1}.items():
+        need(flat[key] >= least, key, f">= {least}")
+    for key in ("optim.beta1", "optim.beta2", "optim.muon_momentum", "optim.muon_momentum_start"):
+        need(0 <= flat[key] < 1, key, "in [0, 1)")
+    for key in ("eval.every", "sample.every", "checkpoint.every"):
+        need(flat[key] >= 0, key, ">= 0; 0 = only at the end")
+    for key, expected in (("checkpoint.resume", "none | auto | a checkpoint path"),
+                          ("log.out_dir", "a directory path"),
+                          ("log.wandb_project", "a project name")):
+        need(flat[key] != "", key, expected)
     need(d.seq_len <= m.max_seq_len, "data.seq_len", f"<= model.max_seq_len ({m.max_seq_len})")
-    need(t.seed >= 0, "train.seed", ">= 0")
-    need(t.global_batch_tokens >= 1, "train.global_batch_tokens", ">= 1")
-    need(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1")
-    need(t.max_steps >= 1, "train.max_steps", ">= 1")
-    need(t.max_bad_steps >= 1, "train.max_bad_steps", ">= 1")
-    need(1 <= t.ddp_bucket_mb < math.inf, "train.ddp_bucket_mb", "MiB >= 1 (compiled DDP's least)")
-    need(0 <= t.time_budget_s < math.inf, "train.time_budget_s", "seconds >= 0; 0 = off")
+    need(t.ddp_bucket_mb >= 1, "train.ddp_bucket_mb", "MiB >= 1 (compiled DDP's least)")
+    need(t.time_budget_s >= 0, "train.time_budget_s", "seconds >= 0; 0 = off")
     # The budget is measured inside the warmup, where the schedule does not depend on max_steps.
     need(t.time_budget_s == 0 or o.warmup_steps >= CALIBRATION_STEPS, "optim.warmup_steps",
          f">= {CALIBRATION_STEPS} with train.time_budget_s (its first steps are timed during the "
          "warmup, before the lr schedule depends on max_steps)")
     need(t.time_budget_s == 0 or t.max_steps > o.warmup_steps, "train.max_steps",
          f"> optim.warmup_steps ({o.warmup_steps}) with train.time_budget_s")
-    need(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0")
+    need(o.lr > 0, "optim.lr", "a finite number > 0")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "between 0 and 1")
-    need(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0")
     need(0 < o.decay_fraction <= 1, "optim.decay_fraction", "in (0, 1]")
-    need(0 <= o.weight_decay < math.inf, "optim.weight_decay", ">= 0")
-    need(0 <= o.beta1 < 1, "optim.beta1", "in [0, 1)")
-    need(0 <= o.beta2 < 1, "optim.beta2", "in [0, 1)")
     need(0 < o.eps < 1, "optim.eps", "a small number > 0, e.g. 1e-8")
-    need(0 <= o.grad_clip < math.inf, "optim.grad_clip", ">= 0; 0 disables clipping")
-    need(0 < o.muon_lr < math.inf, "optim.muon_lr", "a finite number > 0, e.g. 0.02")
-    need(0 <= o.muon_momentum < 1, "optim.muon_momentum", "in [0, 1)")
-    need(0 <= o.muon_momentum_start < 1, "optim.muon_momentum_start", "in [0, 1)")
-    need(o.muon_momentum_warmup_steps >= 0, "optim.muon_momentum_warmup_steps", ">= 0")
-    need(0 <= o.muon_weight_decay < math.inf, "optim.muon_weight_decay", ">= 0")
-    need(e.every >= 0, "eval.every", ">= 0; 0 = only at the end")
-    need(e.tokens >= 1, "eval.tokens", ">= 1")
-    need(e.batch_size >= 1, "eval.batch_size", ">= 1")
-    need(s.every >= 0, "sample.every", ">= 0; 0 = only at the end")
+    need(o.grad_clip >= 0, "optim.grad_clip", ">= 0; 0 disables clipping")
+    need(o.muon_lr > 0, "optim.muon_lr", "a finite number > 0, e.g. 0.02")
     try:
-        s.params()
+        cfg.sample.params()
     except SamplingError as err:
         raise _bad(f"sample.{err.field}", err.value, err.expected) from None
-    need(c.every >= 0, "checkpoint.every", ">= 0; 0 = only at the end")
-    need(c.keep >= 1, "checkpoint.keep", ">= 1")
-    need(c.resume != "", "checkpoint.resume", "none | auto | a checkpoint path")
-    need(lg.out_dir != "", "log.out_dir", "a directory path")
-    need(lg.log_every >= 1, "log.log_every", ">= 1")
-    need(lg.wandb_project != "", "log.wandb_project", "a project name")
 
 
 # ----------------------------------------------------------------------------- derived numbers
@@ -388,8 +345,8 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
     elif o.schedule == "cosine":
         decay = f"cosine to {o.lr * o.min_lr_ratio:.3g}"
     else:
-        decay_steps = wsd_decay_steps(t.max_steps, o)
-        decay = f"stable, then linear decay over the last {decay_steps} steps to {o.lr * o.min_lr_ratio:.3g}"
+        decay = (f"stable, then linear decay over the last {wsd_decay_steps(t.max_steps, o)} steps "
+                 f"to {o.lr * o.min_lr_ratio:.3g}")
     return "\n".join([
         f"model:     {_human(n_params)} params ({m.n_layer} layers, d_model {m.d_model}, "
         f"{m.n_head} heads / {m.n_kv_head} kv heads, vocab {vocab}, context {m.max_seq_len})",
@@ -404,9 +361,8 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
            if t.time_budget_s else ""),
         f"lr:        peak {o.lr:g} after {o.warmup_steps} warmup steps, {decay}",
         f"optimizer: {_describe_optimizer(o)}",
-        f"numerics:  dtype {t.dtype} (fp32 master weights), compile {t.compile}, "
-        f"attention {t.attention}, loss {t.loss}, "
-        f"parallel {t.parallel}, device {t.device}",
+        f"numerics:  dtype {t.dtype} (fp32 master weights), compile {t.compile}, attention "
+        f"{t.attention}, loss {t.loss}, parallel {t.parallel}, device {t.device}",
     ])
 
 
@@ -440,10 +396,7 @@ def to_toml(cfg: JobConfig) -> str:
 
 def save_resolved(cfg: JobConfig, run_dir: str | os.PathLike) -> Path:
     """Write run_dir/config.toml (via a temporary file, so a crash never leaves half of one)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = RunDir(run_dir).config
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_toml(cfg))
-    tmp.replace(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, [to_toml(cfg).encode()])
     return path

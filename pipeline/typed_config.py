@@ -1,14 +1,9 @@
-"""Typed dataclass configs from TOML and the command line: the generic half of the config system.
+"""Typed dataclass configs from TOML and the command line: the generic, schema-free half.
 
-A config is a dataclass whose field annotations are the contract: int, float, bool, str,
-`Literal[...]` choices, `X | None` (unset by omitting it in TOML or by `none` on the command
-line) and `list[X]`. This module turns text and TOML values into such fields, checking each
-against its annotation, and raises `ConfigError` with one line naming the key and what was
-expected. It knows no schema: `pipeline.config` (the training job, nested sections, dotted
-`--section.key` overrides) and `launch.prepare` (flat `--kebab-case` flags) both use it.
-Ranges and cross-field rules are the schema's business (its `validate`), not this module's.
-
-Help text: a field's `metadata={"help": ...}` (the runtime-readable form of a field docstring).
+Field annotations are the contract: int, float, bool, str, `Literal[...]`, `X | None` (unset by
+omitting it in TOML or by `none` on the command line) and `list[X]`; a value that breaks one is a
+one-line `ConfigError`. Used by `pipeline.config` (nested sections, `--section.key` overrides) and
+`launch.prepare` (flat `--kebab-case` flags, help from a field's `metadata={"help": ...}`).
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ class ConfigError(Exception):
 
 
 # ----------------------------------------------------------------------------- schema
-
 
 def field_types(cls: type) -> dict[str, Any]:
     """Field name -> resolved type (the annotations are strings under `from __future__`)."""
@@ -84,7 +78,6 @@ def keys_help(root: type) -> str:
 
 # ----------------------------------------------------------------------------- values
 
-
 def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
@@ -99,16 +92,19 @@ def bad_value(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"bad value for '{key}': {value!r} (expected {expected})")
 
 
+def _optional(tp: Any) -> Any:
+    """X of an `X | None` annotation, None of any other."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return inner
+    return None
+
+
 def parse_text(key: str, text: str, tp: Any) -> Any:
     """Turn a command-line string into a value of the field's type (checked by `check`)."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if type(None) in args and text.strip().lower() in ("none", "null"):
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return parse_text(key, text, inner)
-    if origin is list:
+    if (inner := _optional(tp)) is not None:
+        return None if text.strip().lower() in ("none", "null") else parse_text(key, text, inner)
+    if typing.get_origin(tp) is list:
         try:  # TOML array syntax, which also covers JSON's: '["def ", "import "]'
             return tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
@@ -133,12 +129,8 @@ def check(key: str, value: Any, tp: Any) -> Any:
         if value not in typing.get_args(tp):
             raise bad_value(key, value, f"one of {type_name(tp)}")
         return value
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return check(key, value, inner)
+    if (inner := _optional(tp)) is not None:
+        return None if value is None else check(key, value, inner)
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -160,10 +152,8 @@ def check(key: str, value: Any, tp: Any) -> Any:
 
 # ----------------------------------------------------------------------------- nested sections
 
-
 def from_dict(root: type, d: dict[str, Any]) -> Any:
-    """A `root` instance from nested section dicts (a TOML file, a checkpoint): missing sections
-    and keys take their defaults, unknown ones are errors, every value is type-checked."""
+    """A `root` from nested section dicts: missing keys default, unknown ones are errors."""
     sections = field_types(root)
     for name, values in d.items():
         if name not in sections:
@@ -175,8 +165,7 @@ def from_dict(root: type, d: dict[str, Any]) -> Any:
 
 
 def build(cls: type, where: str, values: dict[str, Any], candidates: list[str]) -> Any:
-    """A `cls` from a dict (a section, or a table in a list such as data.sources): every key
-    known and type-checked, the missing ones at their defaults."""
+    """A `cls` from a dict (a section, or a table in a list such as data.sources)."""
     types_ = field_types(cls)
     kwargs = {}
     for key, value in values.items():
@@ -222,20 +211,15 @@ def apply_overrides(root: type, d: dict[str, Any], overrides: list[str]) -> dict
 
 # ----------------------------------------------------------------------------- flat flags
 
-
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--kebab-case` flag per field of the flat dataclass `cls`: a bool is a switch, every
-    other value is parsed and type-checked against the annotation (a bad one raises ConfigError,
-    which argparse lets through), help from the field's metadata, default from the dataclass."""
+    """One `--kebab-case` flag per field of the flat dataclass `cls`: a bool is a switch, any other
+    value type-checked (a bad one raises ConfigError, which argparse lets through)."""
     types_ = field_types(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag, tp, help_ = flag_name(f.name), types_[f.name], f.metadata.get("help", "")
+        flag, tp = "--" + f.name.replace("_", "-"), types_[f.name]
+        help_ = f.metadata.get("help", "")
         if tp is bool:
             parser.add_argument(flag, action="store_true", help=help_)
             continue
@@ -259,20 +243,18 @@ def from_flags(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     return cls(**values, **given)
 
 
-def number(tp: type, lo: float | None = None, hi: float | None = None):
-    """An argparse `type` for a numeric flag that is not a config field: a finite int or float in
-    [lo, hi] (either bound optional). argparse names the flag in the error."""
-    kind = "an int" if tp is int else "a finite number"
-    bounds = (f"in [{lo}, {hi}]" if lo is not None and hi is not None else
-              f">= {lo}" if lo is not None else f"<= {hi}" if hi is not None else "")
-    expected = f"{kind} {bounds}".strip()
+def number(tp: type, lo: float, hi: float | None = None):
+    """An argparse `type` for a numeric flag that is not a config field: a finite int or float
+    >= lo (and <= hi if given). argparse names the flag in the error."""
+    expected = ("an int" if tp is int else "a finite number") + (
+        f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}")
 
     def convert(text: str):
         try:
             value = tp(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and (lo is None or value >= lo) and (hi is None or value <= hi)):
+        if not (math.isfinite(value) and value >= lo and (hi is None or value <= hi)):
             raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
         return value
 

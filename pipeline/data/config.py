@@ -1,9 +1,6 @@
-"""The [data] section of the job config: one prepared directory or a weighted mixture of them.
-
-A mixture names each source once (path, weight, name) and may change during the run by phases
-(`[[data.phases]] from_step = 0.9` with its own sources, e.g. an annealing mix); the loader
-(pipeline/data/mixture.py) draws each step's rows by the weights of the phase the step is in.
-pipeline.config re-exports these types and calls `validate_data` from its one `validate`.
+"""The [data] section of the job config: one prepared directory or a weighted mixture of them,
+which may change during the run by phases (e.g. an annealing mix). pipeline.config re-exports
+these types and calls `validate_data` from its one `validate`.
 """
 
 from __future__ import annotations
@@ -48,10 +45,9 @@ class DataConfig:
     phases: list[PhaseConfig] = field(default_factory=list)
     """Later mixtures, e.g. an annealing phase: [[data.phases]] from_step = 0.9, sources = [...]."""
     align: Literal["doc", "stream"] = "stream"
-    """doc: every row starts at a document start, filled with whole documents by best fit (a
-    document longer than a row continues in the next rows; the rest is padding, not trained);
-    stream: rows are consecutive seq_len-token windows of the concatenated documents. The presets
-    (configs/) use doc: bench/results/align_bench_zen4.txt."""
+    """doc: every row starts at a document start, filled with whole documents by best fit (a longer
+    one continues in the next rows; the rest is padding, not trained); stream: consecutive windows
+    of the concatenated documents. The presets use doc: bench/results/align_bench_zen4.txt."""
     seq_len: int = 256
     """Tokens per training sequence; the loader reads rows of seq_len + 1 tokens."""
 
@@ -76,8 +72,7 @@ def named(sources: list[SourceConfig]) -> list[SourceConfig]:
 
 
 def weights(sources: list[SourceConfig]) -> dict[str, float]:
-    """Each source's share, summing to 1. Scaled by the largest first: weights near the float
-    maximum (1e308 each) would sum to inf and all become 0."""
+    """Each source's share, summing to 1; scaled by the largest first (1e308s would sum to inf)."""
     top = max(s.weight for s in sources)
     scaled = {s.name: s.weight / top for s in sources}
     total = sum(scaled.values())
@@ -95,17 +90,13 @@ def check_same_schedule(theirs: DataConfig, ours: DataConfig, where: object) -> 
     mixture or phase plan would change the data under the same run without a word."""
     old, new = schedule(theirs), schedule(ours)
     if old != new:
-        show = "; ".join
+        show = lambda phases: "; ".join(
+            f"from {start:g}: " + ", ".join(f"{n} {w:.4g}" for n, w in ws.items())
+            for start, ws in phases)
         raise ConfigError(
-            f"checkpoint {where} was trained on the data schedule "
-            f"{show(_phase_text(p) for p in old)}, this run asks for "
-            f"{show(_phase_text(p) for p in new)}; resume with the data.mix / data.sources / "
-            "data.phases it was started with, or train the new mixture as a new run in another "
-            "--log.out_dir")
-
-
-def _phase_text(phase: tuple[float, dict[str, float]]) -> str:
-    return f"from {phase[0]:g}: " + ", ".join(f"{n} {w:.4g}" for n, w in phase[1].items())
+            f"checkpoint {where} was trained on the data schedule {show(old)}, this run asks for "
+            f"{show(new)}; resume with the data.mix / data.sources / data.phases it was started "
+            "with, or train the new mixture as a new run in another --log.out_dir")
 
 
 def _mix_item(item: str) -> tuple[str, float]:
@@ -114,7 +105,6 @@ def _mix_item(item: str) -> tuple[str, float]:
         return (path, float(weight)) if sep and path else (item.strip(), math.nan)
     except ValueError:
         return path, math.nan
-
 
 
 DATA_KEYS = ("path", "mix", "sources")  # the three ways of naming the data: one at a time

@@ -1,23 +1,13 @@
-"""The training loader: rows of one prepared split, or a weighted mixture of several, in a
-seeded global order.
+"""The training loader: the rows (pipeline/data/rows.py) of one prepared split, or of a weighted
+mixture of several, in a seeded global order that does not depend on the world size.
 
-A split's windows are pipeline.data.windows.TokenWindows (the split read as one token stream).
-
-The order is global, not per rank: each epoch is one permutation of all windows, seeded by
-(seed, epoch), and every optimizer step consumes the next G = micro_batch_size *
-grad_accum_steps * world_size windows of it. Within a step, the G windows form G / micro_batch_size
-chunks of micro_batch_size windows; rank r's micro-step m is chunk r * grad_accum_steps + m. So the
-windows of a step -- and each chunk -- depend only on the global batch, never on how it is split
-over processes: 1 process with 2 accumulation steps and 2 processes with 1 see the same windows,
-and the loader state (epoch, windows consumed) resumes on any world size. When fewer than G
-windows are left in an epoch, that tail is dropped and the next epoch starts (its permutation puts
-those windows elsewhere), so no window is read twice within an epoch.
-
-The rows are stream windows (data.align = stream) or document-aligned rows (doc, pipeline/data/rows.py),
-and a mixture (data.sources) keeps that order per source: each row of a step is drawn from a
-source by the weights of the step's phase, from a generator seeded by (seed, step) alone, and
-takes that source's next row. Each source has its own epochs and permutations; the state holds
-every source's (epoch, position), so a mixture resumes exactly on any world size too.
+Each epoch is one permutation of a source's rows, seeded by (seed, epoch); every optimizer step
+takes the next G = micro_batch_size * grad_accum_steps * world_size rows, of which rank r's
+micro-step m is chunk r * grad_accum_steps + m. So 1 process with 2 accumulation steps and 2 with 1
+see the same rows, and the state (global cursors) resumes on any world size. An epoch's tail of
+fewer than G rows is dropped, so no row is read twice in an epoch. In a mixture each row of a step
+is drawn from a source by the weights of the step's phase, from a generator seeded by (seed, step)
+alone, and takes that source's next row; each source has its own epochs and permutations.
 """
 
 from __future__ import annotations
@@ -106,10 +96,8 @@ def _checked_state(d: object) -> dict:
 
 
 class TrainLoader:
-    """This rank's micro-batches of each optimizer step; see the module docstring for the order.
-
-    `sources`: a TokenWindows (one directory as a stream) or the Sources of a mixture, with its
-    `phases` (the first from step 0); `max_steps` resolves phases given as fractions."""
+    """This rank's micro-batches of each step. `sources`: a TokenWindows (one stream) or a
+    mixture's Sources with its `phases`; `max_steps` resolves phases given as fractions."""
 
     def __init__(self, sources: TokenWindows | list[Source], micro_batch_size: int,
                  grad_accum_steps: int, rank: int, world_size: int, seed: int,
@@ -158,8 +146,7 @@ class TrainLoader:
         return started[-1]
 
     def draw(self, step: int) -> list[str]:
-        """The source of each of the step's global rows: by the phase's weights, from a generator
-        seeded by (seed, step) only -- never by the world size."""
+        """Each of the step's global rows' source, by the phase's weights, from (seed, step)."""
         names = list(self.phase(step).weights)
         weights = np.array([self.phase(step).weights[n] for n in names], dtype=np.float64)
         if len(names) == 1:
@@ -183,14 +170,10 @@ class TrainLoader:
                          c["epoch"])
             taken[name] = self._order_of(name, c["epoch"])[c["position"]:c["position"] + n]
             c["position"] += n
-        nth = dict.fromkeys(taken, 0)
-        plan = []
-        for name in drawn:
-            plan.append((name, int(taken[name][nth[name]])))
-            nth[name] += 1
+        its = {name: iter(rows) for name, rows in taken.items()}
+        plan = [(name, int(next(its[name]))) for name in drawn]
         for name, rows in taken.items():
-            targets = int((self.sources[name].rows.used_of(rows) - 1).sum())
-            self.cursors[name]["tokens"] += targets
+            self.cursors[name]["tokens"] += int((self.sources[name].rows.used_of(rows) - 1).sum())
         self.step_targets = sum(int(self.sources[n].rows.used_of([i])[0]) - 1 for n, i in plan)
         self.step += 1
         return plan

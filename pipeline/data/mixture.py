@@ -1,10 +1,8 @@
 """The [data] section made concrete: every source's manifest, training rows and val batches.
 
-A mixture's sources must share one tokenizer (vocabulary file and EOT id): the run has one
-embedding. A source without a val split is skipped at eval, with a warning at start-up
-(`val_loss/NAME` is then absent); the weighted `val_loss` averages the sources that have one, by
-the first phase's weights, so that it stays one curve across phase switches. With no val split
-anywhere the run is refused, as for one directory.
+A mixture's sources share one tokenizer: the run has one embedding. A source without a val split
+is skipped at eval (said at start-up); the weighted `val_loss` averages the others by the first
+phase's weights, so that it stays one curve across phase switches.
 """
 
 from __future__ import annotations
@@ -15,8 +13,8 @@ import torch
 
 from data_prep.errors import DataError
 from data_prep.shards import Manifest, load_manifest
-from pipeline.config import DataConfig, EvalConfig, SourceConfig, phase_start
-from pipeline.data.config import named, weights
+from pipeline.config import EvalConfig
+from pipeline.data.config import DataConfig, SourceConfig, named, phase_start, schedule, weights
 from pipeline.data.loader import Phase, Source
 from pipeline.data.rows import build_rows
 from pipeline.data.windows import TokenWindows
@@ -77,9 +75,7 @@ def train_sources(d: DataConfig, vocab_size: int) -> tuple[list[Source], list[Ph
                      d.seq_len + 1, 100 * rows.padding)
         # One directory keeps the permutations of lmforge before mixtures (its checkpoints).
         sources.append(Source.keyed(s.name, rows) if mixture else Source(s.name, rows))
-    phases = [Phase(0.0, weights(d.mixture()))]
-    phases += [Phase(p.from_step, weights(named(p.sources))) for p in d.phases]
-    return sources, phases
+    return sources, [Phase(*phase) for phase in schedule(d)]
 
 
 def val_sets(d: DataConfig, e: EvalConfig, vocab_size: int, rank: int,
@@ -110,7 +106,7 @@ def describe_mixture(d: DataConfig, max_steps: int, global_batch_tokens: int) ->
     except DataError as e:
         return f"data:      {e}"
     starts = [0] + [phase_start(p.from_step, max_steps) for p in d.phases] + [max_steps]
-    phase_weights = [weights(d.mixture())] + [weights(named(p.sources)) for p in d.phases]
+    phase_weights = [w for _, w in schedule(d)]
     lines = [f"data:      align {d.align}, {len(opened)} source(s), "
              f"{len(phase_weights)} phase(s) from steps {starts[:-1]}"]
     for s, m in opened:

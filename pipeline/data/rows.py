@@ -1,19 +1,12 @@
-"""The training rows of one prepared split: what `data.align` chooses.
+"""The training rows of one prepared split, as `data.align` chooses: seq_len + 1 tokens each, with
+the number of tokens each really holds (the rest is padding, whose targets the loss ignores).
 
-A row is seq_len + 1 tokens w (input w[:-1], target w[1:]); `read(indices)` gives them with the
-number of tokens each really holds (the rest is padding, whose targets the loss ignores).
-
-- `StreamRows` (align = "stream"): row i is the window of the concatenated stream starting at
-  i * seq_len. Consecutive rows share one token, so every next-token pair is trained once an epoch.
-- `DocRows` (align = "doc"): every row starts at a document start (the EOT before it) and holds
-  whole documents. A document longer than a row is cut at the same stride as the stream (each
-  next-token pair once): its head, from its EOT, is packed like a short document, and the rest
-  fills whole *continuation rows* -- the only rows not starting at a document start, and never
-  padded. The short documents and heads are packed by best fit, longest first (each goes into
-  the row it fills most closely), so the padding is what best fit leaves: `padding` is the
-  fraction of an epoch's target positions left empty. The packing depends only on the data and
-  seq_len, never on the seed or the
-  world size: the loader permutes these rows per epoch as it permutes stream windows.
+- `StreamRows` (stream): row i is the stream's window at i * seq_len (pipeline/data/windows.py).
+- `DocRows` (doc): every row starts at a document start (the EOT before it) and holds whole
+  documents, packed by best fit, longest first. A document longer than a row is cut at the
+  stream's stride (each next-token pair once): its head is packed like a short document, the rest
+  fills whole, unpadded *continuation rows*. The packing depends only on the data and seq_len;
+  the loader permutes these rows per epoch as it permutes stream windows.
 """
 
 from __future__ import annotations
@@ -54,9 +47,8 @@ class StreamRows:
 
 
 def doc_starts(windows: TokenWindows) -> np.ndarray:
-    """Stream positions of every EOT of the split, from the shards' document indexes (each
-    offset checked to be an EOT: one token read per document); a shard without one (prepared
-    before the index) is scanned once and its index written beside it."""
+    """Stream positions of every EOT of the split, from the shards' document indexes (checked);
+    a shard without one (prepared before the index) is scanned once and its index written."""
     parts, built = [], []
     for k, path in enumerate(windows.paths):
         n = int(windows.starts[k + 1] - windows.starts[k])
@@ -122,8 +114,7 @@ class DocRows:
         for row, i in enumerate(indices):
             pos = 0
             for s in range(self.row_ptr[i], self.row_ptr[i + 1]):
-                n = int(self.seg_len[s])
-                start = int(self.seg_start[s])
+                n, start = int(self.seg_len[s]), int(self.seg_start[s])
                 w[row, pos:pos + n] = self.windows.tokens(start, start + n)
                 pos += n
         return w, self.used_of(indices)
@@ -166,12 +157,11 @@ class _Rooms:
 
 def pack(start: np.ndarray, length: np.ndarray, cont: np.ndarray,
          capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Best-fit decreasing packing of segments into rows of `capacity` tokens: each continuation
-    piece opens its own row (it must come first); then the documents, longest first, go into the
-    open rows with the least room that still holds them, or open rows. Documents of one length
-    move together (the rows of one room take one each), so the work grows with the number of
-    distinct lengths and rooms rather than with the documents. Returns (segments (n, 2) of
-    (start, length) in row order, row_ptr (rows + 1), whether each row continues)."""
+    """Best-fit decreasing packing into rows of `capacity` tokens: each continuation piece opens
+    its own row; then the documents, longest first, go into the open row with the least room that
+    holds them, or new rows. Documents of one length move together, so the work grows with the
+    distinct lengths and rooms, not the documents. Returns ((start, length) segments in row order,
+    row_ptr (rows + 1), whether each row continues)."""
     row_of = np.empty(len(start), dtype=np.int64)
     pieces = np.flatnonzero(cont)
     row_of[pieces] = np.arange(len(pieces))

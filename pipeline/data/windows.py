@@ -1,9 +1,6 @@
-"""A split's token stream, read through np.memmap and never loaded into RAM.
-
-A split's shards are read as one concatenated token stream. Window i is the seq_len + 1 tokens
-starting at i * seq_len (input = w[:-1], target = w[1:]); the stride is seq_len, so consecutive
-windows share one token and every next-token pair of the stream is trained exactly once per epoch
-(a stride of seq_len + 1 would never train the pair across each window boundary).
+"""A split's shards as one token stream. Window i is the seq_len + 1 tokens from i * seq_len
+(input w[:-1], target w[1:]): consecutive windows share one token, so every next-token pair of the
+stream is trained once per epoch (a stride of seq_len + 1 would skip those across boundaries).
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ class TokenWindows:
 
     def __init__(self, data_dir: str | os.PathLike, split: str, seq_len: int,
                  expected_vocab_size: int | None):
-        """`expected_vocab_size`: the model's vocabulary; None or 0 (= take it from the data)
-        skips the check."""
+        """`expected_vocab_size`: the model's vocabulary; None or 0 skips the check."""
         manifest = load_manifest(data_dir)
         if expected_vocab_size and manifest.vocab_size != expected_vocab_size:
             raise DataError(
@@ -30,19 +26,16 @@ class TokenWindows:
                 f"{data_dir}; set model.vocab_size = {manifest.vocab_size} (or 0 to take it from "
                 "the data), or re-prepare the data with the model's tokenizer")
         infos = [s for s in manifest.shards if s.split == split]
-        # Start-up reads each shard's 32-byte header and size, never its tokens: O(shards), not
-        # O(bytes) (hashing 10B tokens on every rank took minutes). A truncated or mismatched
-        # shard fails here; a damaged payload is caught by the token-range check on every read
-        # when it yields an id outside the vocabulary, and fully by `lmforge prepare --verify`.
+        # Start-up reads each shard's header and size, never its tokens (hashing 10B tokens on
+        # every rank took minutes). A damaged payload is caught by the token-range check on every
+        # read when it yields an id outside the vocabulary, and fully by `lmforge prepare --verify`.
         self.paths = [manifest.data_dir / s.file for s in infos]
         self.index_sha256s = [s.index_sha256 for s in infos]  # "" where not recorded
         # Kept so that a read maps a shard without reading its header again.
         self.dtypes = [check_shard(path, info, manifest.vocab_size, checksum=False)
                        for path, info in zip(self.paths, infos, strict=True)]
-        self.vocab_size = manifest.vocab_size
-        self.eot_id = manifest.eot_id
-        self.split = split
-        self.seq_len = seq_len
+        self.vocab_size, self.eot_id = manifest.vocab_size, manifest.eot_id
+        self.split, self.seq_len = split, seq_len
         # starts[k] = stream position of shard k's first token; starts[-1] = total tokens.
         self.starts = np.cumsum([0] + [s.tokens for s in infos])
         self.num_tokens = int(self.starts[-1])

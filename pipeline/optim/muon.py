@@ -1,19 +1,12 @@
 """Muon (torch.optim.Muon's update, Newton–Schulz in a chosen dtype), on whole or FSDP2-sharded
 matrices.
 
-Newton–Schulz needs the whole matrix. Under FSDP2 each rank holds a dim-0 shard of every
-parameter, so the matrices are dealt out round-robin (matrix i is orthogonalised by rank
-i % world): its owner gathers the shards of the momentum update, orthogonalises it and scatters
-the result back; every rank then updates its own shard. The momentum buffer stays a shard shaped
-like the parameter's (a DTensor with its placements), so DCP saves and reshards it exactly as it
-does AdamW's moments: a checkpoint loads on any world size, and one process's state loads here.
-
-Why gather/scatter to an owner rather than torchtitan's all-to-all (DistMuon): the bytes moved
-are the same (each matrix crosses the network twice, once whole to its owner and once back), the
-owner's memory holds only its own matrices whole, and gather/scatter take the FSDP shards as
-they are (uneven shards padded to one size), on gloo and nccl alike. All-to-all would batch world
-size matrices per collective (fewer, larger messages); here the gathers are all issued at once
-(async) and each owner orthogonalises as its matrices arrive, which already overlaps the work.
+Newton–Schulz needs the whole matrix: under FSDP2, matrix i's owner (rank i % world) gathers the
+dim-0 shards of its momentum update, orthogonalises it and scatters it back. The momentum buffer
+stays a shard like the parameter's, so DCP reshards it as it does AdamW's moments. Gather/scatter
+rather than torchtitan's all-to-all: the same bytes, the owner holds only its own matrices whole,
+the uneven FSDP shards need only padding, on gloo and nccl alike; the gathers are all issued at
+once and each owner orthogonalises as its matrices arrive.
 """
 
 from __future__ import annotations
@@ -37,18 +30,10 @@ def orthogonalize(g_MN: torch.Tensor, coefficients, steps: int, eps: float) -> t
     return x.T if tall else x
 
 
-def shape_scale(shape: torch.Size) -> float:
-    """torch's default Muon lr scaling, sqrt(max(1, rows/cols))."""
-    return math.sqrt(max(1.0, shape[0] / shape[1]))
-
-
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon, with Newton–Schulz in `ns_dtype`, on plain or FSDP2-sharded matrices.
-
-    bf16 on whole matrices runs torch's own step unchanged. Otherwise the same update (EMA
-    momentum, Nesterov, decoupled weight decay, torch's default shape scaling) runs here with the
-    orthogonalisation in ns_dtype: on CPUs without bf16 matmuls fp32 is several times faster, and
-    it keeps fp32 runs reproducible across world sizes to fp32 rounding."""
+    """torch.optim.Muon (its own step for bf16 on whole matrices), else the same update here with
+    Newton–Schulz in `ns_dtype`: on CPUs without bf16 matmuls fp32 is several times faster, and it
+    keeps fp32 runs reproducible across world sizes to fp32 rounding."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
         super().__init__(params, **kwargs)
@@ -73,12 +58,12 @@ class Muon(torch.optim.Muon):
             for p, ortho_local in zip(with_grad, orthos, strict=True):
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.mul_(1 - lr * wd)
-                local.add_(ortho_local.to(local.dtype), alpha=-lr * shape_scale(p.shape))
+                scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))  # torch's default
+                local.add_(ortho_local.to(local.dtype), alpha=-lr * scale)
         return None
 
     def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """Updates the momentum buffer and returns the matrix to orthogonalise (under FSDP2
-        both are this rank's shards: the ops are elementwise)."""
+        """Updates the momentum buffer (a shard under FSDP2); returns what to orthogonalise."""
         buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
         momentum = group["momentum"]
         buf.lerp_(p.grad, 1 - momentum)
@@ -86,9 +71,8 @@ class Muon(torch.optim.Muon):
 
 
 def orthogonalize_sharded(updates: list[DTensor], ortho) -> list[torch.Tensor]:
-    """Dim-0-sharded matrices (FSDP2's DTensors, in the same order on every rank) -> this rank's
-    rows of ortho(whole matrix), matrix i computed on rank i % world. Shards are padded to
-    torch.chunk's chunk size, so every rank sends and receives one size."""
+    """FSDP2's dim-0-sharded matrices (the same order on every rank) -> this rank's rows of
+    ortho(whole matrix), computed on rank i % world; shards padded to torch.chunk's size."""
     gathers = []
     for i, u in enumerate(updates):
         if tuple(u.placements) != (Shard(0),):

@@ -1,17 +1,8 @@
 """The optimizers (AdamW, or Muon + AdamW) and the learning-rate schedules.
 
-optim.name = "adamw": one AdamW, weight decay on matrices only.
-optim.name = "muon": torch.optim.Muon for the transformer blocks' 2-D matrices, AdamW (at
-optim.lr) for the tied token embedding / LM head and the norm gains. Muon replaces each matrix's
-momentum by the nearest semi-orthogonal matrix (Newton–Schulz), so every direction of the update
-moves at the same rate; embeddings (a lookup, not a linear map of the residual stream) and 1-D
-gains keep Adam. Muon itself is pipeline/optim/muon.py (whole matrices, or FSDP2 shards). Both are
-stepped as one `Optimizers`, which DCP's get_state_dict/set_state_dict take as an iterable of
-optimizers, so a checkpoint holds (and resumes) both states.
-
-The schedule is a pure function of the step, so it needs no state of its own in a checkpoint:
-resuming at step s gives exactly the learning rates (and Muon momentum) an uninterrupted run had.
-Each group follows the same multiplier of its own peak: optim.lr for AdamW, optim.muon_lr for Muon.
+Muon orthogonalises only the blocks' 2-D matrices: the embedding (a lookup, not a linear map of
+the residual stream) and the 1-D gains keep AdamW. The schedule is a pure function of the step, so
+a checkpoint needs no state of it: a resumed run gets exactly an uninterrupted run's lrs.
 """
 
 from __future__ import annotations
@@ -29,10 +20,8 @@ from pipeline.optim.muon import Muon
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
                     ns_dtype: torch.dtype = torch.float32):
-    """AdamW, or (optim.name = "muon") Muon + AdamW as one `Optimizers`.
-
-    ns_dtype: Muon's Newton–Schulz precision (torch's own is bf16, which CPUs without bf16
-    matmuls emulate at several times the cost of fp32); the trainer passes its compute dtype."""
+    """AdamW, or (optim.name = "muon") Muon + AdamW as one `Optimizers`. ns_dtype: Muon's
+    Newton–Schulz precision (the trainer passes its compute dtype)."""
     if cfg.name == "adamw":
         return _keeping_memory(_adamw(model.parameters(), cfg, device), model, device)
     matrices = [p for name, p in model.named_parameters() if is_muon_matrix(name, p)]
@@ -61,9 +50,6 @@ def is_muon_matrix(name: str, param: nn.Parameter) -> bool:
     return param.requires_grad and ".blocks." in f".{name}" and param.ndim == 2
 
 
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")
-
-
 def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     # Decay only matrices (linear weights, embeddings); norms' gains are 1-D and decaying them
     # towards zero only fights the normalisation.
@@ -78,15 +64,14 @@ def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     # The fused kernel updates each parameter in one pass; foreach makes ~8 passes over the
     # parameters and both moments, which is most of an optimizer step where matmuls are cheap
     # (bench/results/adamw_step_*.txt). torch has it for CUDA and CPU tensors, DTensor included.
-    fused = device.type in FUSED_ADAMW_DEVICES if cfg.fused == "auto" else cfg.fused == "on"
+    fused = device.type in ("cuda", "cpu") if cfg.fused == "auto" else cfg.fused == "on"
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
     )
 
 
 class Optimizers:
-    """Several optimizers stepped as one. Iterating yields them, which is what
-    torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict accept."""
+    """Several optimizers stepped as one; iterable, as DCP's get_/set_state_dict take them."""
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = optimizers
@@ -110,14 +95,9 @@ class Optimizers:
 # ----------------------------------------------------------------------------- schedules
 
 def lr_multiplier(step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """Fraction of the peak learning rate at optimizer step `step` (0-based): linear warmup
-    reaching the peak at its last step, then cosine or WSD down to min_lr_ratio at the last step.
-
-    cosine: decays from the peak (held one step) to the floor over the steps after warmup.
-    wsd (warmup-stable-decay): holds the peak, then decays linearly to the floor over the last
-    `decay_fraction` of the run, never reaching back into the warmup — a run can be extended
-    from a stable-phase checkpoint.
-    """
+    """Fraction of the peak lr at step `step` (0-based): linear warmup reaching the peak at its
+    last step, then cosine (from the peak, held one step) or WSD (the peak, then linear over the
+    last decay_fraction: a stable-phase checkpoint can be extended) to min_lr_ratio at the end."""
     floor = cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -139,27 +119,22 @@ def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
 
 
 def muon_momentum_at(step: int, cfg: OptimConfig) -> float:
-    """Muon's momentum: linear from muon_momentum_start to muon_momentum over the warmup (the
-    first updates' gradients are large and fast-changing; averaging them over ~20 steps at 0.95
-    slows the start, as modded-nanogpt and nanochat found)."""
+    """Muon's momentum, linear from muon_momentum_start over the warmup: 0.95 from the start
+    averages the large, fast-changing first gradients too long (modded-nanogpt, nanochat)."""
     if step >= cfg.muon_momentum_warmup_steps:
         return cfg.muon_momentum
     frac = step / cfg.muon_momentum_warmup_steps
     return cfg.muon_momentum_start + frac * (cfg.muon_momentum - cfg.muon_momentum_start)
 
 
-def set_lr(optimizer, multiplier: float, cfg: OptimConfig) -> None:
-    """Every group's lr = its own peak (optim.muon_lr for Muon groups, optim.lr otherwise) x the
-    schedule's multiplier. The peaks come from the config, never from a loaded optimizer state,
-    so a resumed run follows the config it was resumed with."""
-    for group in optimizer.param_groups:
-        group["lr"] = (cfg.muon_lr if group.get("kind") == "muon" else cfg.lr) * multiplier
-
-
 def apply_schedule(optimizer, step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """Set every group's lr (and Muon's momentum) for optimizer step `step`; returns AdamW's lr."""
-    set_lr(optimizer, lr_multiplier(step, max_steps, cfg), cfg)
+    """Set every group's lr (its own peak, optim.muon_lr or optim.lr, x the schedule) and Muon's
+    momentum for `step`; returns AdamW's lr. The peaks come from the config, never from a loaded
+    optimizer state, so a resumed run follows the config it was resumed with."""
+    multiplier = lr_multiplier(step, max_steps, cfg)
     for group in optimizer.param_groups:
-        if group.get("kind") == "muon":
+        muon = group.get("kind") == "muon"
+        group["lr"] = (cfg.muon_lr if muon else cfg.lr) * multiplier
+        if muon:
             group["momentum"] = muon_momentum_at(step, cfg)
-    return lr_at(step, max_steps, cfg)
+    return cfg.lr * multiplier

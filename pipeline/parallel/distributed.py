@@ -1,14 +1,6 @@
-"""Process-group set-up and the few collectives the training loop needs.
-
-Works unchanged under plain `python` (one process, no process group), `torchrun` (one node or
-several) and `accelerate launch` (which starts the workers through torchrun's machinery and sets
-the same RANK / WORLD_SIZE / LOCAL_RANK variables).
-
-LMFORGE_DIST_TIMEOUT_MIN (default 30) bounds how long a collective may wait for a rank.
-
-torchrun starts each worker in a session of its own, so a SIGKILL of the launcher's process
-group (a scheduler, the OOM killer, `kill -9`) does not reach them: `stop_with_launcher` makes
-its death a SIGTERM to the worker (Linux), which then stops as on preemption.
+"""Process-group set-up and the few collectives the training loop needs, under plain `python`
+(one process, no group), `torchrun` and `accelerate launch` (the same RANK / WORLD_SIZE /
+LOCAL_RANK variables). LMFORGE_DIST_TIMEOUT_MIN (default 30) bounds a collective's wait.
 """
 
 from __future__ import annotations
@@ -46,16 +38,14 @@ class DistInfo:
         return self.world_size > 1
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def stop_with_launcher() -> bool:
     """In a torchrun (or accelerate) worker on Linux: SIGTERM this process when its parent, the
-    launcher's agent, dies. Returns whether that is armed."""
+    launcher's agent, dies, as a SIGKILL of the launcher's process group (a scheduler, the OOM
+    killer) does not reach the workers' own sessions. Returns whether that is armed."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+    if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
         return False
     if os.getppid() == 1:  # the launcher died before the call, and this process went to init
         os.kill(os.getpid(), signal.SIGTERM)
@@ -80,9 +70,8 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
         torch.cuda.set_device(device)
         configure_cuda()
     if world_size > 1 and not dist.is_initialized():
-        # A rank that died or hangs makes the others fail after this timeout with an error
-        # naming the collective, instead of holding every GPU until the job's wall-clock limit;
-        # generous, because a first compile or a checkpoint save legitimately takes minutes.
+        # A dead or hung rank makes the others fail naming the collective, rather than hold every
+        # GPU until the job's limit; generous: a first compile or a save takes minutes.
         timeout = timedelta(minutes=float(os.environ.get("LMFORGE_DIST_TIMEOUT_MIN", "30")))
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
@@ -95,17 +84,12 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
 
 @contextmanager
 def distributed(requested_device: str = "auto") -> Iterator[DistInfo]:
-    """The process group (none for one process) for the work in the body, left safely after it.
-
-    Normal end: every rank waits for the others, then frees what still holds the group (DDP and
-    FSDP modules, finished work objects) and destroys it while the interpreter is fully alive.
-    Leaving it to interpreter exit lets gloo's threads release tensors while Python shuts down,
-    and a rank that leaves while a peer still works (rank 0 writing samples) was seen to abort
-    (SIGABRT) after a run that had succeeded. An exception skips the teardown: a barrier or
-    destroy while a peer waits in another collective can deadlock (torchtitan #1342), so this
-    rank exits non-zero and torchrun stops the others. The body must not keep the model alive
-    past its end (a signal handler holding the trainer would).
-    """
+    """The process group (none for one process) for the body, destroyed after it while the
+    interpreter is fully alive: at exit, gloo's threads freeing tensors, or a rank leaving while a
+    peer still works, were seen to abort (SIGABRT) a run that had succeeded. So every rank waits
+    for the others and frees what holds the group (the body must not keep the model alive). An
+    exception skips this: a barrier while a peer waits in another collective can deadlock
+    (torchtitan #1342); this rank exits non-zero and torchrun stops the others."""
     info = init_distributed(requested_device)
     yield info
     if dist.is_initialized():

@@ -1,12 +1,9 @@
-"""The model is built on the meta device (shapes, no memory), sharded, and only then allocated
-and initialised, so under FSDP2 no rank ever holds the whole model: `meta_gpt`, then
-`materialize` once the parallelism is applied (pipeline.parallel.parallelize does both in order).
+"""The model is built on the meta device, sharded, and only then allocated and initialised
+(`meta_gpt`, then `materialize`), so under FSDP2 no rank ever holds the whole model.
 
-The initial weights do not depend on the world size or the parallelism: torch's CPU generator is
-seeded with train.seed and GPT.init_weights draws every tensor from it in its fixed order, as one
-process would. A tensor that is a shard (a DTensor) or lives off the CPU is drawn whole on the CPU,
-one parameter at a time, and this rank keeps its part: each rank draws the whole model's random
-numbers (cheap next to training) but holds at most one whole parameter beside its shards.
+The initial weights do not depend on the world size: each tensor is drawn whole from torch's CPU
+generator in GPT.init_weights' order, as one process would, and this rank keeps its part; it holds
+at most one whole parameter beside its shards.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ def meta_gpt(cfg: ModelConfig) -> GPT:
 
 
 def materialize(model: GPT, device: torch.device, seed: int) -> None:
-    """Allocate `model`'s parameters and buffers on `device` (under FSDP2: this rank's shards)
-    and initialise them from `seed`, equal on every world size to one process's weights."""
+    """Allocate `model` on `device` (under FSDP2: this rank's shards), initialised from `seed`."""
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with _DrawWholeOnCpu():

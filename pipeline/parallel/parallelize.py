@@ -1,14 +1,8 @@
-"""Apply activation checkpointing, torch.compile and DDP / FSDP2 to a plain `GPT` from outside.
+"""Activation checkpointing (per block), then torch.compile, then DDP / FSDP2, applied to a plain
+`GPT` from outside (torchtitan's pattern: the model file knows nothing of them).
 
-The model file knows nothing of any of this (torchtitan's pattern). The order is fixed:
-activation checkpointing (per block) -> compile -> data parallelism. Compile covers the forward
-with its LM-head loss (pipeline.loss, passed to every forward, never set on the model); under
-FSDP2 the compiled regions are its units instead (each block, and the loss). train.compile =
-auto compiles on CUDA and not on CPU (`resolve_compile`), where the demo and the tests run eager.
-
-`parallelize` returns a `ParallelModel`: the wrapped module with the two things that differ
-between the modes, the micro-step's gradient sync and the autocast, so the training loop never
-branches on the mode. `Precision` is the compute dtype and the one rule for when to autocast.
+`parallelize` returns a `ParallelModel`: the wrapped module with what differs between the modes
+(the micro-step's gradient sync, the autocast), so the training loop never branches on the mode.
 """
 
 from __future__ import annotations
@@ -48,8 +42,7 @@ def resolve_compile(requested: str, device: torch.device) -> str:
 def resolve_choices(t: TrainConfig, device: torch.device, dtype: torch.dtype, seq_len: int,
                     padded_vocab: int, started: TrainConfig | None = None) -> TrainConfig:
     """train.compile, .attention and .loss, each auto resolved by its static rule; a resumed run
-    keeps the choices it started with (`started`: its checkpoint's), so it computes as the run
-    it continues."""
+    keeps the choices it started with (`started`: its checkpoint's)."""
     rules = {
         "compile": lambda: resolve_compile("auto", device),
         "attention": lambda: attention.resolve("auto", device, dtype, seq_len),
@@ -57,9 +50,8 @@ def resolve_choices(t: TrainConfig, device: torch.device, dtype: torch.dtype, se
     }
     chosen = {}
     for name, rule in rules.items():
-        before = getattr(started, name, "auto") if started is not None else "auto"
-        chosen[name] = getattr(t, name) if getattr(t, name) != "auto" else (
-            before if before != "auto" else rule())
+        mine, before = getattr(t, name), getattr(started, name, "auto")  # started may be None
+        chosen[name] = mine if mine != "auto" else before if before != "auto" else rule()
     return replace(t, **chosen)
 
 
@@ -80,8 +72,7 @@ class Precision:
 
     @classmethod
     def resolve(cls, requested: str, device: torch.device, workload: str = "train") -> Precision:
-        """train.dtype auto|bf16|fp32 for `workload` (train, eval, sample) on `device`
-        (pipeline.hardware.resolve_dtype's rule)."""
+        """train.dtype for `workload` (train, eval, sample) on `device` (hardware.resolve_dtype)."""
         return cls(resolve_dtype(requested, device, workload), torch.device(device))
 
     @property
@@ -89,18 +80,16 @@ class Precision:
         return self.dtype == torch.bfloat16
 
     def autocast(self, module: nn.Module):
-        """The context to run `module` in, for training, eval and sampling alike: bf16 autocast
-        over its fp32 parameters, except under FSDP2, whose MixedPrecisionPolicy already hands
-        the forward bf16 parameters."""
+        """bf16 autocast over `module`'s fp32 parameters when computing in bf16, except under
+        FSDP2, whose MixedPrecisionPolicy already hands the forward bf16 parameters."""
         enabled = self.bf16 and not isinstance(module, FSDPModule)
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 @dataclass(frozen=True)
 class ParallelModel:
-    """The module to train (as `parallelize` wrapped it), the LM-head loss and the attention its
-    forward is handed (train.loss's and train.attention's choices), and what differs between
-    the modes."""
+    """The module to train (as `parallelize` wrapped it) with the LM-head loss and the attention
+    its forward is handed."""
 
     module: nn.Module
     mode: str  # "none" | "ddp" | "fsdp"
@@ -118,10 +107,9 @@ class ParallelModel:
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool) -> Iterator[None]:
-        """Around one micro-step's forward and backward: gradients are reduced across ranks only
-        when `sync`. DDP's forward decides whether the coming backward all-reduces, so no_sync
-        must cover the forward too. FSDP's switch is a persistent module setting: it is set on
-        entry and put back to syncing on exit, so a backward outside a micro-step still syncs."""
+        """Around one micro-step's forward and backward: gradients reduced only when `sync`.
+        DDP's forward decides whether the backward all-reduces, so no_sync covers it too; FSDP's
+        switch persists, so it is put back on exit (a later backward still syncs)."""
         if sync or self.mode == "none":
             yield
         elif self.mode == "ddp":
@@ -148,13 +136,9 @@ def parallelize(
     attend: Attend = F.scaled_dot_product_attention,
     init_seed: int | None = None,
 ) -> ParallelModel:
-    """Wrap `model` for training. `parallel` is resolved (none | ddp | fsdp: see
-    resolve_parallel). With init_seed, `model` is a meta-device build (materialize.meta_gpt),
-    allocated on info.device and initialised after sharding, so that under FSDP2 a rank holds only
-    its shards; without, it must already hold its initial weights on info.device. loss: a resolved
-    train.loss (pipeline.loss.build_loss); ddp_bucket_mb: DDP's gradient buckets (a compiled DDP
-    model is split into one region per bucket); attend: the attention every forward is handed
-    (pipeline.attention.kernel of train.attention)."""
+    """Wrap `model` for training; `parallel` and `loss` are resolved. With init_seed, `model` is a
+    meta-device build, allocated on info.device and initialised after sharding, so that under
+    FSDP2 a rank holds only its shards; without, it already holds its weights on info.device."""
     if activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -169,9 +153,8 @@ def parallelize(
             release_freed_blocks()
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters
         # the optimizer updates are the master weights.
-        mp = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if precision.bf16 else None, reduce_dtype=torch.float32
-        )
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision.bf16 else None,
+                                  reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
@@ -185,17 +168,12 @@ def parallelize(
 
 
 def compile_regions(model: GPT, per_block: bool) -> None:
-    """torch.compile the forward in place: Module.compile keeps parameter names free of an
-    `_orig_mod.` prefix, so checkpoints load the same whether or not the run was compiled.
-    The loss the forward is handed is traced with it; under FSDP2 the blocks are compiled alone
-    (its all-gather hooks run between them) and the loss compiles as its own region.
-    dynamic=False: training's one shape and eval's one shape get a static graph each (eval
-    batches are padded to one shape), instead of a slower dynamic-shape graph."""
-    if not per_block:
-        model.compile(dynamic=False)
-        return
-    for block in model.blocks:
-        block.compile(dynamic=False)
+    """torch.compile the forward (with the loss it is handed) in place: Module.compile keeps
+    parameter names free of an `_orig_mod.` prefix, so checkpoints load either way. Under FSDP2 the
+    blocks compile alone (its all-gather hooks run between them), the loss as its own region.
+    dynamic=False: training's and eval's one shape each get a static graph (faster than dynamic)."""
+    for region in model.blocks if per_block else [model]:
+        region.compile(dynamic=False)
 
 
 def compiled_graphs() -> int:
@@ -204,15 +182,13 @@ def compiled_graphs() -> int:
 
 
 def compiled_regions() -> int:
-    """Regions inductor has compiled so far: a graph DDP splits at its gradient buckets (dynamo's
-    DDPOptimizer, so that each bucket's all-reduce overlaps the backward) is several."""
+    """Regions inductor has compiled so far (a graph DDP splits at its buckets is several)."""
     return torch._dynamo.utils.counters["aot_autograd"]["total"]
 
 
 class RecompileWatch:
     """Says what torch.compile built for each phase ("train", "eval") on its first call, and warns
-    when it builds a graph after that: a recompile (a guard failed: a new shape, dtype or grad
-    mode) that costs seconds every time it happens."""
+    of a graph built after that: a recompile, which costs seconds every time."""
 
     def __init__(self):
         self.seen_phases, self.graphs, self.regions = set(), compiled_graphs(), compiled_regions()

@@ -1,19 +1,8 @@
 """Plan before renting GPUs: `--dry-run --nproc N --nnodes M --gpu H100 --mfu 0.4`.
 
-Per GPU, for DDP and for FSDP2 at world size N*M: the bytes of parameters, gradients and AdamW
-state (what `tests/test_plan.py` checks exactly against a real run's tensors), the activations one
-micro-batch keeps for backward (with and without activation checkpointing), whether it fits the
-GPU, the bytes each optimizer step moves between GPUs, and the step time an assumed MFU implies.
-
-Conventions, all as `pipeline.parallel.parallelize` builds the run:
-- master weights, gradients and both AdamW moments are fp32 (4 bytes each), plus one fp32 `step`
-  scalar per parameter tensor;
-- FSDP2 shards every parameter on dim 0 in world-size chunks of ceil(rows / world) (rank 0 holds
-  the most); with bf16 compute it all-gathers bf16 copies per block for forward and again for
-  backward, and reduce-scatters fp32 gradients once per optimizer step; with Muon, each block
-  matrix's fp32 update is gathered whole to one rank and scattered back (pipeline/optim/muon.py);
-- DDP all-reduces fp32 gradients once per optimizer step; under bf16 autocast it keeps bf16
-  copies of the weights from forward to backward.
+Per GPU, for DDP and FSDP2 as pipeline.parallel.parallelize builds them: the bytes of state
+(exact: tests/test_plan.py), activations and the loss, whether they fit, the bytes each step moves
+between GPUs, and the step time an assumed MFU implies.
 """
 
 from __future__ import annotations
@@ -36,9 +25,7 @@ from pipeline.parallel.materialize import meta_gpt
 FP32, BF16 = 4, 2
 GiB = 2**30
 GPT2_VOCAB = 50257
-USABLE = 0.9
-"""Fraction of a GPU's memory a run can plan for: the CUDA context, NCCL buffers and allocator
-fragmentation take the rest."""
+USABLE = 0.9  # of a GPU's memory: the CUDA context, NCCL buffers and fragmentation take the rest
 GPU_MEMORY_GIB = {  # by the peak table's labels
     "H200 NVL": 141, "H200 SXM": 141, "H100 NVL": 94, "H100 PCIe": 80, "H100 SXM": 80,
     "A100": 80, "A10": 24, "L40S": 48, "L4": 24, "RTX 4090": 24, "RTX 3090": 24,
@@ -131,10 +118,9 @@ def planned_loss(cfg: JobConfig, m: ModelConfig) -> str:
 
 
 def head_loss_bytes(model: GPT, tokens: int, loss: str, bf16: bool) -> int:
-    """What the LM-head loss of a micro-batch of `tokens` holds at most on a GPU, by train.loss
-    as resolved there (pipeline.loss): full, the whole logits in the compute dtype with their fp32
-    copy and log-probabilities (fp32 gradient and its cast in backward take their place); chunked,
-    two fp32 chunk x V buffers and the head's fp32 gradient sum."""
+    """The most the LM-head loss of `tokens` holds on a GPU: full, the logits in the compute dtype
+    with their fp32 copy and log-probabilities (in backward, the fp32 gradient and its cast);
+    chunked, two fp32 chunk x V buffers and the head's fp32 gradient sum."""
     V = model.cfg.padded_vocab_size
     if loss == "full":
         return tokens * V * ((BF16 if bf16 else FP32) + 2 * FP32)
@@ -184,12 +170,12 @@ def strategies(cfg: JobConfig, model: GPT, world: int, bf16: bool) -> list[Strat
     p_bytes = BF16 if bf16 else FP32
     block, outside = _blocks_bytes(model)
     ddp = Strategy("DDP", state_bytes(shapes, world, sharded=False, muon=muon),
-                   compute_copy=BF16 * n if bf16 else 0, accumulated=0, activations=acts, activations_ac=acts_ac,
-                   head_loss=head,
+                   compute_copy=BF16 * n if bf16 else 0, accumulated=0, activations=acts,
+                   activations_ac=acts_ac, head_loss=head,
                    all_gather=0, reduce_scatter=0, all_reduce=FP32 * n if world > 1 else 0)
-    # FSDP2: the root's parameters (embedding / LM head) stay gathered from forward to backward;
-    # one block is gathered while the next is prefetched. Parameters are gathered in forward and
-    # again in backward on every micro-step; gradients reduce-scatter on the last one only.
+    # FSDP2: the root's parameters stay gathered from forward to backward, one block is gathered
+    # as the next is prefetched, in forward and backward of every micro-step; gradients
+    # reduce-scatter on the last micro-step only.
     fsdp = Strategy("FSDP2", state_bytes(shapes, world, sharded=True, muon=muon),
                     compute_copy=p_bytes * (outside + 2 * block) if world > 1 else 0,
                     accumulated=FP32 * n if world > 1 and accum > 1 else 0,
@@ -232,17 +218,16 @@ def report(cfg: JobConfig, nproc: int, nnodes: int, gpu_name: str, mfu: float) -
     model_cfg, vocab_note = planned_model(cfg)
     world = nproc * nnodes
     bf16 = gpu_dtype(cfg.train.dtype) == torch.bfloat16  # every GPU of the table has bf16
-    derived = derive(cfg, world)
+    derived, model = derive(cfg, world), meta_gpt(model_cfg)
     with_ac = cfg.train.activation_checkpointing
     lines = [
         f"plan: {nnodes} node(s) x {nproc} {gpu.label} = {world} GPUs "
         f"({gpu.memory / GiB:.0f} GiB, {gpu.bf16_peak / 1e12:.0f} TFLOP/s dense bf16 each), "
         f"{'bf16' if bf16 else 'fp32'} compute, micro-batch {cfg.train.micro_batch_size} x "
         f"{cfg.data.seq_len} tokens, {derived.grad_accum_steps} accumulation step(s); "
-        f"{meta_gpt(model_cfg).num_params() / 1e6:.1f}M params, {vocab_note}",
+        f"{model.num_params() / 1e6:.1f}M params, {vocab_note}",
         f"{'per GPU':<34}{'DDP':>14}{'FSDP2':>14}",
     ]
-    model = meta_gpt(model_cfg)
     ddp, fsdp = strategies(cfg, model, world, bf16)
     muon = cfg.optim.name == "muon"
     optimizer_label = "Muon+AdamW state (1|2 moments)" if muon else "AdamW state (2 fp32 moments)"
