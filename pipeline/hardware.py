@@ -1,17 +1,9 @@
-"""What the device the run meets can do, and the choices that follow from it.
-
-- `resolve_dtype`: train.dtype auto|bf16|fp32 -> the dtype a workload's (train, eval, sample)
-  matmuls compute in, with one log line saying why (the same rule for training, eval, sampling,
-  the demo and the benches): bf16 on GPUs with bf16 tensor cores and on CPUs with bf16 in
-  hardware (pipeline.cpu.machine's flag rule), else fp32.
-- `matmul_peak`: the peak FLOP/s MFU is relative to: NVIDIA's datasheet for GPUs, a measured
-  large matmul for CPUs (pipeline.cpu.machine), in the dtype the run computes in.
-- `configure_cuda`, `pin_memory_for`, `to_device`: the CUDA settings every run wants.
-"""
+"""What the device can do, and the choices that follow: the dtype matmuls compute in (one rule
+for training, eval, sampling, the demo and the benches), the peak MFU is relative to, the CUDA
+settings every run wants."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -21,21 +13,15 @@ from pipeline.config import ConfigError
 from pipeline.metrics import get_logger
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-WORKLOADS = ("train", "eval", "sample")
-DTYPE_FLAG = {"train": "--train.dtype", "eval": "--dtype", "sample": "--dtype"}  # where each sets it
+DTYPE_FLAG = {"train": "--train.dtype", "eval": "--dtype", "sample": "--dtype"}  # the workloads
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
 
 
-def cuda_bf16(device: torch.device) -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def gpu_dtype(requested: str, has_bf16: bool = True) -> torch.dtype:
-    """The rule on a CUDA GPU known only by whether it has bf16 tensor cores (also the
-    planner's, for the GPUs of its table): auto = bf16 exactly there."""
+    """auto on a CUDA GPU (also the planner's, for its table): bf16 exactly with bf16 tensor cores."""
     if requested == "auto":
         return torch.bfloat16 if has_bf16 else torch.float32
     return DTYPES[requested]
@@ -54,7 +40,7 @@ def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     """What `auto` picks on `device`, and why (no logging, no collectives)."""
     device = torch.device(device)
     if device.type == "cuda":
-        has = cuda_bf16(device)
+        has = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
         name = torch.cuda.get_device_name(device)
         return gpu_dtype("auto", has), f"{name} has {'bf16 tensor cores' if has else 'no native bf16'}"
     if device.type == "cpu":
@@ -78,14 +64,12 @@ def _for(workload: str) -> str:
 
 
 def resolve_dtype(requested: str, device: torch.device, workload: str = "train") -> torch.dtype:
-    """train.dtype (auto|bf16|fp32) -> the dtype `workload`'s (train, eval or sample) matmuls
-    compute in on `device`. Logs one line.
-
-    Collective when a CPU process group is initialised (ranks agree): every rank must call it."""
+    """auto|bf16|fp32 -> the dtype `workload`'s (a DTYPE_FLAG key) matmuls compute in on
+    `device`, logged in one line. Collective under a CPU process group: every rank calls it."""
     if requested not in ("auto", *DTYPES):
         raise ConfigError(f"dtype must be auto, bf16 or fp32, got {requested!r}")
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    if workload not in DTYPE_FLAG:
+        raise ValueError(f"workload must be one of {tuple(DTYPE_FLAG)}, got {workload!r}")
     device = torch.device(device)
     log = get_logger()
     if requested == "auto":
@@ -124,7 +108,12 @@ GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
 ]
 
 
-def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+def datasheet_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """The datasheet peak FLOP/s MFU is relative to, in the dtype the run computes in, and the
+    line that says which. None where there is no datasheet: a CPU's peak is no fixed number."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, f"MFU n/a on {device.type}: no datasheet peak FLOP/s to measure it against"
     name = torch.cuda.get_device_name(device)
     if dtype in (torch.bfloat16, torch.float16):
         kind = "bf16"
@@ -137,35 +126,11 @@ def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
     return None, f"no peak FLOP/s known for '{name}'; MFU is not reported"
 
 
-@functools.cache
-def _peak(device_type: str, index: int | None, dtype: torch.dtype,
-          precision: str) -> tuple[float | None, str]:
-    if device_type == "cuda":
-        return _cuda_peak(torch.device("cuda", index), dtype)
-    if device_type == "cpu":
-        from pipeline.cpu.machine import cpu_peak  # the CPU room: only on a CPU
-
-        return cpu_peak(dtype)
-    return None, f"no peak FLOP/s known for {device_type}; MFU is not reported"
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, fresh: bool = False) -> float | None:
-    """Peak matmul FLOP/s of `device` in `dtype`, the dtype the run really computes in (None if
-    unknown). Cached per process (`fresh` measures again); MFU = achieved model FLOP/s / this."""
-    device = torch.device(device)
-    if fresh:
-        _peak.cache_clear()
-        if device.type == "cpu":
-            from pipeline.cpu.machine import cpu_peak
-
-            cpu_peak.cache_clear()
-    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[0]
-
-
-def peak_note(device: torch.device, dtype: torch.dtype) -> str:
-    """The line that says which peak `matmul_peak` is (or why there is none)."""
-    device = torch.device(device)
-    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[1]
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """datasheet_peak, logging which peak it is."""
+    peak, note = datasheet_peak(device, dtype)
+    get_logger().info(note)
+    return peak
 
 
 # ----------------------------------------------------------------------------- CUDA settings
@@ -191,9 +156,3 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of `device` for matmuls in `dtype` (None if unknown), logging which peak it
-    is; `dtype` must be the one the run computes in."""
-    get_logger().info(peak_note(device, dtype))
-    return matmul_peak(device, dtype)
