@@ -13,7 +13,9 @@ from pipeline.config import ConfigError
 from pipeline.metrics import get_logger
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DTYPE_FLAG = {"train": "--train.dtype", "eval": "--dtype", "sample": "--dtype"}  # the workloads
+# Each workload: its log lines' suffix, and the flag that sets its dtype.
+WORKLOADS = {"train": ("", "--train.dtype"), "eval": (" for eval", "--dtype"),
+             "sample": (" for sampling", "--dtype")}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -59,17 +61,14 @@ def _agree(native: bool) -> bool:
     return bool(flag.item())
 
 
-def _for(workload: str) -> str:
-    return "" if workload == "train" else f" for {'sampling' if workload == 'sample' else workload}"
-
-
 def resolve_dtype(requested: str, device: torch.device, workload: str = "train") -> torch.dtype:
-    """auto|bf16|fp32 -> the dtype `workload`'s (a DTYPE_FLAG key) matmuls compute in on
+    """auto|bf16|fp32 -> the dtype `workload`'s (a WORKLOADS key) matmuls compute in on
     `device`, logged in one line. Collective under a CPU process group: every rank calls it."""
     if requested not in ("auto", *DTYPES):
         raise ConfigError(f"dtype must be auto, bf16 or fp32, got {requested!r}")
-    if workload not in DTYPE_FLAG:
-        raise ValueError(f"workload must be one of {tuple(DTYPE_FLAG)}, got {workload!r}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {tuple(WORKLOADS)}, got {workload!r}")
+    suffix, flag = WORKLOADS[workload]
     device = torch.device(device)
     log = get_logger()
     if requested == "auto":
@@ -77,14 +76,14 @@ def resolve_dtype(requested: str, device: torch.device, workload: str = "train")
         bf16 = dtype == torch.bfloat16
         if device.type == "cpu" and _agree(bf16) != bf16:
             dtype, why = torch.float32, "another rank's CPU has no native bf16"
-        log.info(f"dtype auto -> {dtype_name(dtype)}{_for(workload)}: {why}")
+        log.info(f"dtype auto -> {dtype_name(dtype)}{suffix}: {why}")
         return dtype
     dtype = DTYPES[requested]
     if dtype == torch.bfloat16 and device.type == "cpu" and not _cpu_native_bf16()[0]:
         log.warning(f"dtype bf16 on a CPU without native bf16: matmuls run ~400x slower than "
-                    f"fp32; use {DTYPE_FLAG[workload]} auto (or fp32) to run at full speed")
+                    f"fp32; use {flag} auto (or fp32) to run at full speed")
     else:
-        log.info(f"dtype {requested}{_for(workload)}: as configured")
+        log.info(f"dtype {requested}{suffix}: as configured")
     return dtype
 
 
@@ -144,15 +143,10 @@ def configure_cuda() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
-def pin_memory_for(device: torch.device) -> bool:
-    # Page-locked host buffers let host->GPU copies run asynchronously (DMA); on CPU they
-    # would only cost memory.
-    return torch.device(device).type == "cuda"
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch on `device`: pinned + non_blocking on CUDA so the copy overlaps compute."""
-    if pin_memory_for(device):
+    """A host batch on `device`; on CUDA from page-locked memory, non-blocking, so the copy
+    overlaps compute (DMA). On CPU pinning would only cost memory."""
+    if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

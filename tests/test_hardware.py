@@ -195,11 +195,17 @@ def test_training_asks_the_peak_of_the_computed_dtype_and_has_no_cpu_mfu(
 # ----------------------------------------------------------------------------- CUDA choices
 
 
-def test_pinned_copies_only_for_cuda():
-    assert hardware.pin_memory_for(torch.device("cuda", 0))
-    assert not hardware.pin_memory_for(CPU)
+def test_pinned_copies_only_for_cuda(monkeypatch):
     x = torch.arange(6).view(2, 3)
     assert torch.equal(hardware.to_device(x, CPU), x)
+    pinned, copies = [], []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: copies.append((a, kw)) or t)
+    hardware.to_device(x, CPU)
+    assert not pinned and copies == [((CPU,), {})]
+    cuda = torch.device("cuda", 0)
+    hardware.to_device(x, cuda)
+    assert len(pinned) == 1 and copies[1] == ((cuda,), {"non_blocking": True})
 
 
 # ----------------------------------------------------------------------------- lmforge env
