@@ -36,7 +36,7 @@ from bench import runs as lu
 from bench.common import GPT2_VOCAB, ROOT
 from bench.train_bench import Run, training_step
 from pipeline.checkpoint.run_dir import RunDir
-from pipeline.hardware import configure_cuda, dtype_name, matmul_peak, resolve_dtype
+from pipeline.hardware import configure_cuda, datasheet_peak, dtype_name, resolve_dtype
 from pipeline.parallel.materialize import meta_gpt
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
@@ -96,7 +96,7 @@ def step_check(device: torch.device, smoke: bool, only: list[str] | None = None)
                dtype=dtype_name(dtype), **(SHAPE_SMOKE if smoke else SHAPE_124M))
     warmup, timed = (1, 2) if smoke else (3, 10)
     per_token = meta_gpt(base.model_config()).flops_per_token(base.seq_len)  # lmforge full's
-    peak = matmul_peak(device, dtype)
+    peak = datasheet_peak(device, dtype)[0]
     results, ref = {}, None
     for name, r in configurations(base).items():
         if only and name not in only:

@@ -16,7 +16,8 @@ all: forward + mean cross-entropy (under bf16 autocast when the dtype is bf16), 
 gradient clipping at 1.0, AdamW. lmforge's step is the
 pipeline's (parallelize and its loss, ParallelModel.loss: train.loss, auto unless --loss says
 otherwise, in the compiled graph when compiled); the references are compiled whole (model +
-loss). MFU is against the peak measured in the run's dtype. Peak memory is the process's peak
+loss). MFU is against the GPU's datasheet peak, or on CPU the matmul peak
+measured in the run's dtype (bench/cpu_peak.py). Peak memory is the process's peak
 RSS on CPU, torch.cuda.max_memory_allocated on CUDA. `faults` is the minor page faults of a step
 (a fresh big tensor costs one per 4 KiB on CPU). `mm ms` is a step's matmul time from the
 profiler and `other` the rest of the step, what fusion can cut: medians over PROFILED_PAIRS
@@ -267,10 +268,11 @@ def describe(device, dtype_arg: str):
     """(the dtype every implementation computes in, one line saying on what and why)."""
     import torch
 
-    from pipeline.hardware import DTYPES, auto_dtype, dtype_name, matmul_peak
+    from bench.cpu_peak import cpu_peak
+    from pipeline.hardware import DTYPES, auto_dtype, datasheet_peak, dtype_name
 
     dtype, why = auto_dtype(device) if dtype_arg == "auto" else (DTYPES[dtype_arg], "as requested")
-    peak = matmul_peak(device, dtype)
+    peak = cpu_peak(dtype) if device.type == "cpu" else datasheet_peak(device, dtype)[0]
     where = machine(device.type) + (f", {torch.get_num_threads()} threads"
                                      if device.type == "cpu" else "")
     peak_s = f"{peak / 1e9:,.0f} GFLOP/s" if peak else "unknown"
@@ -393,8 +395,9 @@ def main() -> None:
 
     import torch
 
+    from bench.cpu_peak import cpu_peak
     from pipeline import attention
-    from pipeline.hardware import dtype_name, matmul_peak
+    from pipeline.hardware import dtype_name
     from pipeline.loss import resolve_loss
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -425,7 +428,8 @@ def main() -> None:
     if device.type == "cpu":
         # A shared CPU can be slow for the second or so the probe takes: the best of two probes,
         # before and after the rounds, is the peak MFU is read against.
-        again = matmul_peak(device, dtype, fresh=True)
+        cpu_peak.cache_clear()
+        again = cpu_peak(dtype)
         print(f"{dtype_name(dtype)} matmul peak measured again after the rounds: {again / 1e9:,.0f} GFLOP/s; "
               f"MFU below is against {max(peak, again) / 1e9:,.0f}")
         peak = max(peak, again)

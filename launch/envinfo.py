@@ -5,7 +5,8 @@ something is slow or fails, and paste it into bug reports.
     lmforge env --json     # the same facts for scripts
 
 It states what `auto` picks here (dtype, compile, attention and loss, each a static rule) and
-measures (about 1-2 s on a CPU) the matmul peak that MFU is relative to.
+the datasheet matmul peak that MFU is relative to (a GPU's; unknown on a CPU, where training
+reports no MFU).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def auto_choices(device: torch.device) -> dict:
     dtype, why = hardware.auto_dtype(device)
     peaks = {}
     for d in dict.fromkeys([dtype, torch.float32]):  # the auto dtype's peak, and fp32's
-        peak = hardware.matmul_peak(device, d)
+        peak = hardware.datasheet_peak(device, d)[0]  # a CPU has none: unknown
         peaks[hardware.dtype_name(d)] = None if peak is None else round(peak / 1e9, 1)
     return {
         "device": str(device),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -153,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     print(dtype_line(ckpt, dtype, args.dtype))
     print(report(result))
     if args.json:
-        record = result.to_dict() | {"checkpoint": str(ckpt.path), "step": ckpt.step,
-                                     "data": str(args.data), "split": args.split,
-                                     "seq_len": seq_len, "dtype": dtype_name(dtype)}
+        record = asdict(result) | {"checkpoint": str(ckpt.path), "step": ckpt.step,
+                                   "data": str(args.data), "split": args.split,
+                                   "seq_len": seq_len, "dtype": dtype_name(dtype)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
     return 0

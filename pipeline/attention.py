@@ -1,15 +1,10 @@
-"""The attention kernel a run computes with, handed to every forward (`GPT.forward(...,
-attend=...)`), never set on the model: `train.attention = auto | sdpa | eager`.
+"""The attention kernel a run computes with (`train.attention = auto | sdpa | eager`), handed to
+every forward (`GPT.forward(..., attend=...)`), never set on the model: sdpa is
+F.scaled_dot_product_attention (flash kernels on CUDA and CPU), eager pipeline.cpu.attention.
 
-- sdpa: F.scaled_dot_product_attention, the model's own default: flash kernels on CUDA, and on
-  CPU a flash kernel that keeps no T x S matrix.
-- eager: pipeline.cpu.attention (matmul, softmax, matmul, causal by query blocks).
-
-auto is a static rule from the figures filed in bench/results/README.md: sdpa, except on a CPU
-computing in bf16 at sequences up to EAGER_MAX_T, where the CPU flash kernel measured 1.3-2.1x
-slower than eager (Zen 4, one layer forward + backward: 2.12x at T 256, 1.28x at 512, 0.69x at
-1,024; in fp32 sdpa won at every length). The resolved choice is written into the run's config,
-so a resumed run computes as the run it continues.
+auto is sdpa, except on a CPU in bf16 at sequences up to EAGER_MAX_T, where the CPU flash kernel
+measured 1.3-2.1x slower than eager (Zen 4, one layer forward + backward: 2.12x at T 256, 1.28x
+at 512, 0.69x at 1,024; in fp32 sdpa won at every length; bench/results/README.md).
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ def resolve(requested: str, device: torch.device, dtype: torch.dtype, seq_len: i
 
 
 def kernel(name: str) -> Attend:
-    """The attention of a resolved train.attention."""
     if name == "eager":
         from pipeline.cpu.attention import eager_attention  # the CPU room: only when chosen
 

@@ -1,20 +1,14 @@
-"""Held-out loss, perplexity and bits per byte — one function for training's periodic eval and
-for `lmforge eval`, so the two report the same number for the same checkpoint and tokens.
-
-The eval set of a split is cut by `eval_batches` into non-overlapping windows: every token after
-the first is a target exactly once, the last window being shorter when seq_len does not divide the
-split (nothing is dropped). Training's val eval and `lmforge eval --max-tokens N` call it with the
-same arguments, so they evaluate the very same windows in the very same batches.
-
-Bits per byte divides the summed loss (nats) by ln 2 and by the UTF-8 bytes the target tokens
-decode to, which makes models with different tokenizers comparable.
+"""Held-out loss, perplexity and bits per byte: one function for training's periodic eval and for
+`lmforge eval`, which cut the split into the very same windows and batches (`eval_batches`), so
+the two report the same number for the same checkpoint and tokens. Bits per byte (the summed
+nats / ln 2 / the UTF-8 bytes of the targets) compares models with different tokenizers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,29 +30,15 @@ class EvalResult:
     tokens: int
     bytes: int
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    token_bytes: torch.Tensor,
-    info: DistInfo,
-    *,
-    precision: Precision,
-    loss_fn: HeadLoss,
-    attend: Attend = F.scaled_dot_product_attention,
-) -> EvalResult:
-    """Sum of token losses, token count and byte count over this rank's batches, reduced over
-    ranks. `token_bytes[id]` is the UTF-8 length of token `id` (0 for special tokens); targets
-    equal to IGNORE_INDEX are not counted. loss_fn: the LM-head loss training computes (its
-    own, compiled with the model when the run is; `lmforge eval`: the run's train.loss); attend: the attention (training passes its own,
-    so a compiled model is not compiled again for eval).
-
-    Every rank must pass the same number of batches (FSDP runs each forward on all ranks):
-    `eval_batches` pads with IGNORE_INDEX rows to guarantee it."""
+def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+             token_bytes: torch.Tensor, info: DistInfo, *, precision: Precision,
+             loss_fn: HeadLoss, attend: Attend = F.scaled_dot_product_attention) -> EvalResult:
+    """Loss, tokens and bytes over this rank's batches (IGNORE_INDEX targets not counted), reduced
+    over ranks; `token_bytes[id]` is token id's UTF-8 length (0 for special tokens). loss_fn and
+    attend: training passes its own, so a compiled model is not compiled again for eval. Every
+    rank passes as many batches (FSDP runs each forward on all ranks): `eval_batches` pads."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
@@ -77,34 +57,21 @@ def evaluate(
     if n_tokens == 0:
         raise ValueError("evaluation saw no tokens")
     loss = loss_sum / n_tokens
-    return EvalResult(
-        loss=loss,
-        perplexity=math.exp(loss),
-        bits_per_byte=loss_sum / (math.log(2) * n_bytes) if n_bytes else float("nan"),
-        tokens=int(n_tokens),
-        bytes=int(n_bytes),
-    )
+    bpb = loss_sum / (math.log(2) * n_bytes) if n_bytes else float("nan")
+    return EvalResult(loss, math.exp(loss), bpb, int(n_tokens), int(n_bytes))
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def eval_batches(
-    windows: TokenWindows, batch_size: int, rank: int, world_size: int,
-    max_tokens: int | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's (x_BT, y_BT) batches for evaluating the first `max_tokens` targets of the split
-    (all of it when None), T = windows.seq_len.
-
-    Window j predicts stream tokens jT+1 .. min(jT+T, M) from the T tokens before each, so the
-    windows tile the M = min(max_tokens, tokens - 1) targets exactly; the last may be shorter.
-    Window j goes to rank j % world_size: the union over ranks is the same whatever the world
-    size. Every rank gets the same number of batches of the same shape (FSDP runs each forward
-    on every rank), of at most `batch_size` rows and never more rows than the most windows any
-    rank has; short rows and missing rows are padded with IGNORE_INDEX targets, which
-    `evaluate` skips.
-    """
+def eval_batches(windows: TokenWindows, batch_size: int, rank: int, world_size: int,
+                 max_tokens: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (x_BT, y_BT) batches for the first `max_tokens` targets of the split (all when
+    None). Window j predicts tokens jT+1 .. min(jT+T, M), so the windows tile the M targets
+    exactly (the last may be shorter); it goes to rank j % world_size, so the union is the same
+    at any world size. Every rank gets as many batches of one shape; short and missing rows are
+    padded with IGNORE_INDEX targets, which `evaluate` skips."""
     T = windows.seq_len
     M = windows.num_tokens - 1 if max_tokens is None else min(max_tokens, windows.num_tokens - 1)
     if M < 1:

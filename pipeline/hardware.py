@@ -1,17 +1,9 @@
-"""What the device the run meets can do, and the choices that follow from it.
-
-- `resolve_dtype`: train.dtype auto|bf16|fp32 -> the dtype a workload's (train, eval, sample)
-  matmuls compute in, with one log line saying why (the same rule for training, eval, sampling,
-  the demo and the benches): bf16 on GPUs with bf16 tensor cores and on CPUs with bf16 in
-  hardware (pipeline.cpu.machine's flag rule), else fp32.
-- `matmul_peak`: the peak FLOP/s MFU is relative to: NVIDIA's datasheet for GPUs, a measured
-  large matmul for CPUs (pipeline.cpu.machine), in the dtype the run computes in.
-- `configure_cuda`, `pin_memory_for`, `to_device`: the CUDA settings every run wants.
-"""
+"""What the device can do, and the choices that follow: the dtype matmuls compute in (one rule
+for training, eval, sampling, the demo and the benches), the peak MFU is relative to, the CUDA
+settings every run wants."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -21,21 +13,17 @@ from pipeline.config import ConfigError
 from pipeline.metrics import get_logger
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-WORKLOADS = ("train", "eval", "sample")
-DTYPE_FLAG = {"train": "--train.dtype", "eval": "--dtype", "sample": "--dtype"}  # where each sets it
+# Each workload: its log lines' suffix, and the flag that sets its dtype.
+WORKLOADS = {"train": ("", "--train.dtype"), "eval": (" for eval", "--dtype"),
+             "sample": (" for sampling", "--dtype")}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
 
 
-def cuda_bf16(device: torch.device) -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def gpu_dtype(requested: str, has_bf16: bool = True) -> torch.dtype:
-    """The rule on a CUDA GPU known only by whether it has bf16 tensor cores (also the
-    planner's, for the GPUs of its table): auto = bf16 exactly there."""
+    """auto on a CUDA GPU (also the planner's, for its table): bf16 exactly with bf16 tensor cores."""
     if requested == "auto":
         return torch.bfloat16 if has_bf16 else torch.float32
     return DTYPES[requested]
@@ -54,7 +42,7 @@ def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     """What `auto` picks on `device`, and why (no logging, no collectives)."""
     device = torch.device(device)
     if device.type == "cuda":
-        has = cuda_bf16(device)
+        has = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
         name = torch.cuda.get_device_name(device)
         return gpu_dtype("auto", has), f"{name} has {'bf16 tensor cores' if has else 'no native bf16'}"
     if device.type == "cpu":
@@ -73,19 +61,14 @@ def _agree(native: bool) -> bool:
     return bool(flag.item())
 
 
-def _for(workload: str) -> str:
-    return "" if workload == "train" else f" for {'sampling' if workload == 'sample' else workload}"
-
-
 def resolve_dtype(requested: str, device: torch.device, workload: str = "train") -> torch.dtype:
-    """train.dtype (auto|bf16|fp32) -> the dtype `workload`'s (train, eval or sample) matmuls
-    compute in on `device`. Logs one line.
-
-    Collective when a CPU process group is initialised (ranks agree): every rank must call it."""
+    """auto|bf16|fp32 -> the dtype `workload`'s (a WORKLOADS key) matmuls compute in on
+    `device`, logged in one line. Collective under a CPU process group: every rank calls it."""
     if requested not in ("auto", *DTYPES):
         raise ConfigError(f"dtype must be auto, bf16 or fp32, got {requested!r}")
     if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+        raise ValueError(f"workload must be one of {tuple(WORKLOADS)}, got {workload!r}")
+    suffix, flag = WORKLOADS[workload]
     device = torch.device(device)
     log = get_logger()
     if requested == "auto":
@@ -93,14 +76,14 @@ def resolve_dtype(requested: str, device: torch.device, workload: str = "train")
         bf16 = dtype == torch.bfloat16
         if device.type == "cpu" and _agree(bf16) != bf16:
             dtype, why = torch.float32, "another rank's CPU has no native bf16"
-        log.info(f"dtype auto -> {dtype_name(dtype)}{_for(workload)}: {why}")
+        log.info(f"dtype auto -> {dtype_name(dtype)}{suffix}: {why}")
         return dtype
     dtype = DTYPES[requested]
     if dtype == torch.bfloat16 and device.type == "cpu" and not _cpu_native_bf16()[0]:
         log.warning(f"dtype bf16 on a CPU without native bf16: matmuls run ~400x slower than "
-                    f"fp32; use {DTYPE_FLAG[workload]} auto (or fp32) to run at full speed")
+                    f"fp32; use {flag} auto (or fp32) to run at full speed")
     else:
-        log.info(f"dtype {requested}{_for(workload)}: as configured")
+        log.info(f"dtype {requested}{suffix}: as configured")
     return dtype
 
 
@@ -124,7 +107,12 @@ GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
 ]
 
 
-def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+def datasheet_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """The datasheet peak FLOP/s MFU is relative to, in the dtype the run computes in, and the
+    line that says which. None where there is no datasheet: a CPU's peak is no fixed number."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, f"MFU n/a on {device.type}: no datasheet peak FLOP/s to measure it against"
     name = torch.cuda.get_device_name(device)
     if dtype in (torch.bfloat16, torch.float16):
         kind = "bf16"
@@ -137,35 +125,11 @@ def _cuda_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
     return None, f"no peak FLOP/s known for '{name}'; MFU is not reported"
 
 
-@functools.cache
-def _peak(device_type: str, index: int | None, dtype: torch.dtype,
-          precision: str) -> tuple[float | None, str]:
-    if device_type == "cuda":
-        return _cuda_peak(torch.device("cuda", index), dtype)
-    if device_type == "cpu":
-        from pipeline.cpu.machine import cpu_peak  # the CPU room: only on a CPU
-
-        return cpu_peak(dtype)
-    return None, f"no peak FLOP/s known for {device_type}; MFU is not reported"
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, fresh: bool = False) -> float | None:
-    """Peak matmul FLOP/s of `device` in `dtype`, the dtype the run really computes in (None if
-    unknown). Cached per process (`fresh` measures again); MFU = achieved model FLOP/s / this."""
-    device = torch.device(device)
-    if fresh:
-        _peak.cache_clear()
-        if device.type == "cpu":
-            from pipeline.cpu.machine import cpu_peak
-
-            cpu_peak.cache_clear()
-    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[0]
-
-
-def peak_note(device: torch.device, dtype: torch.dtype) -> str:
-    """The line that says which peak `matmul_peak` is (or why there is none)."""
-    device = torch.device(device)
-    return _peak(device.type, device.index, dtype, torch.get_float32_matmul_precision())[1]
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """datasheet_peak, logging which peak it is."""
+    peak, note = datasheet_peak(device, dtype)
+    get_logger().info(note)
+    return peak
 
 
 # ----------------------------------------------------------------------------- CUDA settings
@@ -179,21 +143,10 @@ def configure_cuda() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
-def pin_memory_for(device: torch.device) -> bool:
-    # Page-locked host buffers let host->GPU copies run asynchronously (DMA); on CPU they
-    # would only cost memory.
-    return torch.device(device).type == "cuda"
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch on `device`: pinned + non_blocking on CUDA so the copy overlaps compute."""
-    if pin_memory_for(device):
+    """A host batch on `device`; on CUDA from page-locked memory, non-blocking, so the copy
+    overlaps compute (DMA). On CPU pinning would only cost memory."""
+    if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of `device` for matmuls in `dtype` (None if unknown), logging which peak it
-    is; `dtype` must be the one the run computes in."""
-    get_logger().info(peak_note(device, dtype))
-    return matmul_peak(device, dtype)

@@ -1,10 +1,9 @@
 """A checkpoint loaded for use (eval, sample, export): a plain GPT in eval mode.
 
-A checkpoint may come from anyone, and its meta.json says what model to build. Before any memory
-is allocated or any weight read, `load_for_inference` checks that the checkpoint is what its
-meta.json says: the weights stored have the shapes of that model (a meta.json naming a huge
-model beside small weights is refused, not allocated), its tables fit this machine, and its
-tokenizer's ids fit the model's vocabulary.
+A checkpoint may come from anyone, and its meta.json says what model to build: before any memory
+is allocated or any weight read, the stored weights must have that model's shapes (a meta.json
+naming a huge model beside small weights is refused, not allocated), its tables fit this machine
+and its tokenizer's ids the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from pipeline.checkpoint.format import CheckpointMeta, read_meta, resolve
 from pipeline.checkpoint.safe_dcp import (
     SafeFileSystemReader,
     load_into,
-    load_strict,
     misfit,
     refusal,
     single_process_ok,
@@ -52,29 +50,27 @@ class LoadedCheckpoint:
 
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Any checkpoint the pipeline writes -> a plain GPT in eval mode on `device`.
-
-    Reads a consolidated export (model.safetensors) directly, and a training checkpoint written
-    by any number of ranks through DCP in this single process.
-    """
+    """Any checkpoint the pipeline writes (an export, or DCP from any number of ranks) -> a
+    plain GPT in eval mode on `device`."""
     ckpt = resolve(path)
     meta = read_meta(ckpt)
     check_tokenizer_fits(ckpt / "tokenizer", meta.model)
     check_tables_fit(meta.model, ckpt)
-    skeleton = meta_gpt(meta.model)  # shapes only: what the stored weights must match
     weights = ckpt / WEIGHTS_FILE
-    if weights.is_file():
-        check_stored_shapes(safetensors_shapes(weights), skeleton, meta.model.tie_embeddings, weights)
-        model = GPT(meta.model)
+    export = weights.is_file()
+    stored = safetensors_shapes(weights) if export else dcp_shapes(ckpt)
+    # meta_gpt: shapes only, what the stored weights must match before any is allocated.
+    check_stored_shapes(stored, meta_gpt(meta.model), meta.model.tie_embeddings,
+                        weights if export else ckpt)
+    model = GPT(meta.model)
+    if export:
         state = read_safetensors(weights)
     else:
-        check_stored_shapes(dcp_shapes(ckpt), skeleton, meta.model.tie_embeddings, ckpt)
-        model = GPT(meta.model)
         box = {"model": dict(model.state_dict())}
         with single_process_ok():
             load_into(box, ckpt, no_dist=True)
         state = box["model"]
-    load_strict(model, state, meta.model.tie_embeddings, ckpt)
+    model.load_state_dict(state, strict=False)  # keys and shapes checked above; a tie holds
     model.to(device).eval()
     return LoadedCheckpoint(model=model, path=ckpt, tokenizer_dir=ckpt / "tokenizer", meta=meta)
 

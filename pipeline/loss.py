@@ -1,20 +1,16 @@
-"""The LM-head loss a run trains and evaluates with: `train.loss = auto | full | chunked`.
+"""The LM-head loss a run trains and evaluates with (`train.loss = auto | full | chunked`), called
+as loss(h_BTD, w_VD, targets_BT, vocab_size, reduction, ignore_index, softcap=...) on the final
+hidden states and the head weight: the fp32 loss of softmax(h @ wᵀ) over the first vocab_size
+columns.
 
-Every loss is a `HeadLoss`, called as loss(h_BTD, w_VD, targets_BT, vocab_size, reduction,
-ignore_index, softcap=...) on the final hidden states and the head weight
-(`GPT.forward(..., loss_fn=...)`), returning the fp32 loss of softmax(h @ wᵀ) over the first
-vocab_size columns.
+- full: the model's own `cross_entropy` on the whole upcast logits, compiled with the model.
+- chunked: the same numbers by chunks of tokens, in memory O(chunk · V), never the B × T × V
+  logits nor their gradient. Summed or averaged, each chunk's gradients are computed in the
+  forward pass, where its logits are at hand, and only scaled in backward; per token ("none"),
+  the upstream gradient differs by token, so backward recomputes each chunk instead.
 
-- full: the model's own `model.model.cross_entropy`: the whole logits, upcast, F.cross_entropy,
-  compiled with the model. What nanoGPT, nanochat and torchtitan train with.
-- chunked: `ChunkedLoss`, the same numbers by chunks of tokens: memory O(chunk · V), never the
-  B × T × V logits nor their gradient. Summed or averaged, each chunk's gradients are computed in
-  the forward pass, where its logits are at hand, and only scaled in backward; per token
-  ("none"), the upstream gradient differs by token, so backward recomputes each chunk instead.
-
-auto (`resolve_loss`) is a static rule: full on CUDA, unless one micro-batch's logits pass
-FULL_LOGITS_MAX_ELEMS; chunked on CPU, where the kept logits and their gradient set a step's
-peak memory (bench/results/README.md, the loss figures).
+auto is full on CUDA unless one micro-batch's logits pass FULL_LOGITS_MAX_ELEMS, chunked on CPU,
+where the kept logits and their gradient set a step's peak memory (bench/results/README.md).
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from model.model import cross_entropy
 
 HeadLoss = Callable[..., torch.Tensor]
 
-LOSSES = ("full", "chunked")
 # Logits elements per chunk: two fp32 chunk x V buffers (logits, log-probabilities) at a time. On
 # CPU 2^23 (32 MiB each: chunks still hundreds of tokens tall at small vocabularies, so their
 # matmuls run at full rate); on a GPU 2^27, so that a compiled graph holds a few chunks, not
@@ -56,14 +51,6 @@ def chunk_tokens(padded_vocab: int, n_tokens: int | None = None,
     if not n_tokens:
         return most
     return -(-n_tokens // -(-n_tokens // most))
-
-
-def compute_operands(h_BTD: torch.Tensor, w_VD: torch.Tensor):
-    """h and w in the dtype the head matmul computes in: autocast's dtype when autocast is on,
-    else the weight's (FSDP2's bf16 parameters)."""
-    device = h_BTD.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_VD.dtype
-    return h_BTD.to(dtype), w_VD.to(dtype)
 
 
 def _chunk(h_CD, w_VD, safe_C, vocab_size, softcap, want_grad):
@@ -156,7 +143,10 @@ class ChunkedLoss:
                  softcap: float = 0.0):
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        h_BTD, w_VD = compute_operands(h_BTD, w_VD)
+        # The head matmul's dtype: autocast's when on, else the weight's (FSDP2's bf16 params).
+        device = h_BTD.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_VD.dtype
+        h_BTD, w_VD = h_BTD.to(dtype), w_VD.to(dtype)
         h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
         chunk = self.chunk or chunk_tokens(w_VD.shape[0], len(targets_N), self.elems)
         args = (vocab_size, ignore_index, chunk, softcap)

@@ -1,12 +1,5 @@
-"""Logging for training runs: rank 0 speaks, the others only warn.
-
-- `setup_logging` / `get_logger`: the "lmforge" logger (stderr, plus run_dir/train.log on rank 0).
-- `MetricsLogger`: one JSON line per `log(step, **metrics)` in run_dir/metrics.jsonl, and wandb
-  when enabled; `trim_metrics` cuts the file back to a resumed checkpoint's step. Train loss is logged as `loss`, validation loss as `val_loss` (what `plot_losses`
-  reads).
-- `Progress`: a tqdm bar with loss, lr, tokens/s, MFU and ETA, and a log line every log_every steps.
-- `plot_losses`: the end-of-run loss curve as a PNG.
-"""
+"""Logging for training runs: the "lmforge" logger (rank 0 speaks, the others only warn),
+metrics.jsonl (and wandb), the progress bar and the end-of-run loss plot."""
 
 from __future__ import annotations
 
@@ -62,8 +55,7 @@ def setup_logging(rank: int, run_dir: str | os.PathLike | None = None) -> loggin
     return logger
 
 
-def _plain(value: Any) -> Any:
-    """JSON for tensors and numpy scalars: their Python value."""
+def _plain(value: Any) -> Any:  # tensors and numpy scalars: their Python value
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"cannot log {type(value).__name__} as a metric")
@@ -74,9 +66,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | os.PathLike, cfg_dict: dict[str, Any], mode: str,
                  project: str, run_name: str | None, is_main: bool):
-        self.is_main = is_main
-        self._file = None
-        self._wandb_run = None
+        self._file = self._wandb_run = None
         if not is_main:
             return
         run_dir = Path(run_dir)
@@ -123,7 +113,7 @@ class MetricsLogger:
 
 
 def _record_step(line: bytes) -> int | None:
-    """The step of one metrics.jsonl line; None for a torn one (a crash or a full disk mid-write)."""
+    """A metrics.jsonl line's step; None for a torn one (a crash or a full disk mid-write)."""
     try:
         record = json.loads(line.decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -178,7 +168,6 @@ class Progress:
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float,
                mfu: float | None) -> None:
-        """`step` is the number of optimizer steps completed; `mfu` a fraction, None if unknown."""
         if not self.is_main:
             return
         mfu_text = "n/a" if mfu is None else f"{100 * mfu:.1f}%"

@@ -14,26 +14,21 @@ from pipeline.parallel.distributed import DistInfo
 from pipeline.parallel.parallelize import Precision
 
 
-def prompt_ids(sc: SampleConfig, enc: tiktoken.Encoding, context: int) -> list[list[int]]:
-    """The sample prompts as token ids, each checked here to leave room for new tokens: a prompt
-    too long for the model then stops the run before step 1, not at its last step."""
-    prompts = [encode_prompt(enc, text) for text in sc.prompts]
-    for i, ids in enumerate(prompts):
-        try:
-            sc.params().fit(len(ids), context)
-        except ValueError as e:
-            raise ConfigError(f"sample.prompts[{i}] (with the end-of-text token every prompt "
-                              f"starts with): {e}, or raise model.max_seq_len") from None
-    return prompts
-
-
 class Samples:
     def __init__(self, sc: SampleConfig, enc: tiktoken.Encoding, model_cfg: ModelConfig,
                  precision: Precision, info: DistInfo, seed: int):
         self.sc, self.enc, self.model_cfg = sc, enc, model_cfg
         self.precision, self.info, self.seed = precision, info, seed
-        self.prompts = prompt_ids(sc, enc, model_cfg.max_seq_len)
         self.copy: GPT | None = None
+        self.prompts = [encode_prompt(enc, text) for text in sc.prompts]
+        # Each checked to leave room for new tokens: a prompt too long for the model stops the
+        # run before step 1, not at its last step.
+        for i, ids in enumerate(self.prompts):
+            try:
+                sc.params().fit(len(ids), model_cfg.max_seq_len)
+            except ValueError as e:
+                raise ConfigError(f"sample.prompts[{i}] (with the end-of-text token every prompt "
+                                  f"starts with): {e}, or raise model.max_seq_len") from None
 
     def __call__(self, module: nn.Module) -> list[str]:
         """The prompts and their continuations on rank 0 (all ranks join the weight gather)."""

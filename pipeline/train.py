@@ -153,17 +153,16 @@ class Trainer:
         self.stop_requested = False
 
     def _resolve_choices(self, started: JobConfig | None) -> None:
-        """train.compile's, .attention's and .loss's choices (parallelize.resolve_choices) into
-        the config (run dir, checkpoints): a resumed run keeps those it started with."""
+        """train.compile's, .attention's and .loss's choices into the config (run dir,
+        checkpoints): a resumed run keeps those it started with."""
         t = resolve_choices(self.cfg.train, self.info.device, self.precision.dtype,
                             self.cfg.data.seq_len, self.model_cfg.padded_vocab_size,
                             started and started.train)
-        self.length.settle(replace(self.cfg, train=t))
+        self.length.cfg = replace(self.cfg, train=t)  # the config a budget's length applies to
         self._rebind(self.length.cfg)
 
     def _rebind(self, cfg: JobConfig) -> None:
-        """The config's changes after the start: the choices of train.compile, .attention and
-        .loss, then the length a time budget fixed."""
+        """The config after the start: the resolved choices, then the length a budget fixed."""
         self.cfg, self.derived = cfg, derive(cfg, self.info.world_size)
 
     def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:
@@ -242,20 +241,18 @@ class Trainer:
     def run_eval(self, n_batches: int | None = None) -> dict:
         """val_loss/ppl/bpb; of a mixture, per source (val_loss/NAME, val_bpb/NAME) and the
         sources' weighted mean (see pipeline/data/mixture.py)."""
-        record, means = {}, {"val_loss": 0.0, "val_bpb": 0.0}
+        record, loss, bpb = {}, 0.0, 0.0
         total = sum(v.weight for v in self.data.val)
         for v in self.data.val:
             result = evaluate(self.parallel.module, v.batches[:n_batches], self.data.token_bytes,
                               self.info, precision=self.precision,
                               loss_fn=self.parallel.head_loss, attend=self.parallel.attend)
             share = v.weight / total if total else 1 / len(self.data.val)
-            means["val_loss"] += share * result.loss
-            means["val_bpb"] += share * result.bits_per_byte
+            loss, bpb = loss + share * result.loss, bpb + share * result.bits_per_byte
             if self.data.mixture:
                 record |= {f"val_loss/{v.name}": result.loss, f"val_bpb/{v.name}":
                            result.bits_per_byte}
-        return {"val_loss": means["val_loss"], "val_ppl": math.exp(means["val_loss"]),
-                "val_bpb": means["val_bpb"]} | record
+        return {"val_loss": loss, "val_ppl": math.exp(loss), "val_bpb": bpb} | record
 
     def run_samples(self) -> list[str]:
         return self.samples(self.parallel.module)
@@ -356,8 +353,7 @@ class Trainer:
             self._rebind(self.length.cfg)
             progress.set_length(p.max_steps, p.log_every)
         tok_s = step_tokens / dt
-        peak = self.peak * self.info.world_size if self.peak else None
-        mfu = self.flops_per_token * tok_s / peak if peak else None
+        mfu = self.flops_per_token * tok_s / (self.peak * self.info.world_size) if self.peak else None
         record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
                   "mfu": mfu, "epoch": self.data.loader.epoch,
                   # the targets trained so far, as the loader's cursors count them: right across

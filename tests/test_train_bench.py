@@ -139,3 +139,29 @@ def test_one_lucky_round_decides_no_target():
     res["gpt2", True] = runs(891, 800, 600)
     lines = tb.summary("A", mem, res, {k: None for k in res}, native=False)
     assert lines[1].endswith("(target >= 1.05x) MISSED"), lines[1]
+
+
+def test_cpu_peak_is_plausible_and_cached():
+    from bench.cpu_peak import cpu_peak
+
+    peak = cpu_peak(torch.float32)
+    # The old 512^3 probe in the emulated dtype printed ~1 GFLOP/s: any CPU that runs this
+    # suite does several GFLOP/s of fp32 on a large matmul.
+    assert peak > 2e9
+    assert cpu_peak(torch.float32) == peak  # cached, not re-measured
+
+
+def test_cpu_peak_cache_clear_measures_again(monkeypatch):
+    from bench import cpu_peak as mod
+
+    rates = iter([10e9, 20e9])
+    monkeypatch.setattr(mod, "_matmul_rate", lambda n, dtype, **kw: next(rates))
+    monkeypatch.setattr(mod, "_SIZES", (256,))
+    mod.cpu_peak.cache_clear()
+    try:
+        assert mod.cpu_peak(torch.float32) == 10e9
+        assert mod.cpu_peak(torch.float32) == 10e9
+        mod.cpu_peak.cache_clear()
+        assert mod.cpu_peak(torch.float32) == 20e9
+    finally:
+        mod.cpu_peak.cache_clear()

@@ -1,17 +1,13 @@
-"""Eager attention: the scores as one matmul, an additive causal mask, softmax, a second matmul:
-HF's "eager" attention, nanoGPT's path without flash, causal by blocks of queries, each computing
-only the keys its rows see (about half the T x S scores, as flash kernels skip them). It saves
-those probabilities for backward, but where the CPU's flash kernel is slow (bf16 without AMX, at
-short sequences) it is much faster: pipeline.attention's rule, from the figures in
-bench/results/README.md."""
+"""Eager attention (HF's "eager", nanoGPT's path without flash): it saves the probabilities for
+backward, but where the CPU's flash kernel is slow (bf16 without AMX, short sequences) it is much
+faster (pipeline.attention's rule). Causal by blocks of queries, each computing only the keys its
+rows see: about half the T x S scores, as flash kernels skip them."""
 
 from __future__ import annotations
 
 import torch
 
-QUERY_BLOCK = 128
-"""Query rows per block of causal eager attention (causal_blocks): smaller blocks skip more of
-the masked scores, in more and smaller matmuls."""
+QUERY_BLOCK = 128  # smaller blocks skip more masked scores, in more and smaller matmuls
 
 
 def eager_attention(q_BHTK: torch.Tensor, k_BGSK: torch.Tensor, v_BGSK: torch.Tensor,
@@ -53,10 +49,3 @@ def causal_blocks(T: int, S: int) -> list[tuple[int, int, int]]:
     there: about (1 + QUERY_BLOCK / T) / 2 of the T x S scores."""
     return [(a, min(a + QUERY_BLOCK, T), min(a + QUERY_BLOCK, S)) for a in range(0, T, QUERY_BLOCK)]
 
-
-def eager_scores(T: int, S: int, is_causal: bool = True) -> int:
-    """Scores (and probabilities, saved for backward) eager attention computes per batch row and
-    head: what its memory scales with."""
-    if not is_causal:
-        return T * S
-    return sum((b - a) * keys for a, b, keys in causal_blocks(T, S))

@@ -1,11 +1,9 @@
-"""What a CPU can do: its model and ISA flags, whether it computes bf16 natively (the flag rule,
-or LMFORGE_CPU_BF16), and its measured matmul peak (what MFU on a CPU is relative to)."""
+"""What a CPU can do: its model and ISA flags, and whether it computes bf16 natively (the flag
+rule, or LMFORGE_CPU_BF16)."""
 
 from __future__ import annotations
 
-import functools
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -57,37 +55,3 @@ def native_bf16() -> tuple[bool, str]:
     if found:
         return True, f"this CPU computes bf16 natively ({', '.join(found)})"
     return False, "this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag: bf16 is emulated)"
-
-
-def _matmul_rate(n: int, dtype: torch.dtype, budget_s: float, min_reps: int = 2) -> float:
-    """Best FLOP/s of an n x n x n matmul after one warm-up, over `min_reps` or `budget_s`."""
-    a_NN, b_NN = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a_NN @ b_NN  # warm-up: first call pays for allocation and kernel selection
-    best, reps, deadline = 0.0, 0, time.perf_counter() + budget_s
-    while reps < min_reps or time.perf_counter() < deadline:
-        t = time.perf_counter()
-        a_NN @ b_NN
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
-        reps += 1
-    return best
-
-
-# Largest square matmul tried: 4096^3 fp32 is past where a CPU's matmul reaches its peak; sizes
-# grow until one product takes longer than _STEP_S, so the measurement stays short even where
-# bf16 is emulated (there the small sizes already pass it).
-_SIZES = (256, 512, 1024, 2048, 4096)
-_STEP_S = 0.25
-
-
-@functools.cache
-def cpu_peak(dtype: torch.dtype) -> tuple[float, str]:
-    """This CPU's measured matmul peak in `dtype` (FLOP/s), and the line that says so."""
-    best, biggest = 0.0, _SIZES[0]
-    for n in _SIZES:
-        rate = _matmul_rate(n, dtype, budget_s=0.2)
-        best, biggest = max(best, rate), n
-        if 2 * n**3 / rate > _STEP_S:
-            break
-    name = "bf16" if dtype == torch.bfloat16 else "fp32"
-    return best, (f"MFU relative to this CPU's measured {name} matmul peak, {best / 1e9:.0f} "
-                  f"GFLOP/s (best up to {biggest}^3, {torch.get_num_threads()} threads)")
