@@ -129,21 +129,6 @@ def misfit(where: Path, detail: str) -> CheckpointError:
     )
 
 
-def load_strict(model: torch.nn.Module, state: dict, tied: bool, where: Path) -> None:
-    """`state` into `model`, every weight present and of its shape (the tied LM head, absent
-    from exports, rebuilt from the embedding); else one CheckpointError."""
-    ours = model.state_dict()
-    if wrong := [f"{k}: {tuple(v.shape)} vs {tuple(ours[k].shape)}" for k, v in state.items()
-                 if k in ours and v.shape != ours[k].shape]:
-        raise misfit(where, "shape " + "; ".join(wrong[:2]))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise misfit(where, f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if tied:
-        model.lm_head.weight = model.tok_emb.weight
-
-
 def load_into(state: dict, checkpoint_dir: Path, no_dist: bool) -> None:
     """dcp.load of `state` from `checkpoint_dir`, with every check above; any failure inside DCP
     (a crafted payload, a truncated file) is one CheckpointError."""
