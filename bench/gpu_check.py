@@ -92,7 +92,9 @@ def step_check(device: torch.device, smoke: bool, only: list[str] | None = None)
     """The 124M step of every configuration (or those named in `only`; tiny shapes with
     --cpu-smoke), one line each."""
     dtype = resolve_dtype("auto", device)
-    base = Run("lmforge", compiled=device.type == "cuda", device=str(device),
+    # sdpa: what auto picks on CUDA; the smoke checks that path even where a bf16 CPU's auto
+    # would pick the eager kernel.
+    base = Run("lmforge", compiled=device.type == "cuda", device=str(device), attention="sdpa",
                dtype=dtype_name(dtype), **(SHAPE_SMOKE if smoke else SHAPE_124M))
     warmup, timed = (1, 2) if smoke else (3, 10)
     per_token = meta_gpt(base.model_config()).flops_per_token(base.seq_len)  # lmforge full's
