@@ -24,7 +24,7 @@ def preset_flags() -> list[str]:
     """The preset's model options as flags (the shape stays the tiny test model's)."""
     model = tomllib.loads(PRESET.read_text())["model"]
     keys = [k for k in model if k in (*RECIPE_OPTIONS, "mlp", "tie_embeddings")]
-    assert {"mlp", "zero_init"} <= set(keys), keys  # the preset holds the recipe
+    assert {"mlp", "tie_embeddings"} <= set(keys), keys  # the preset holds the recipe
     return [f for k in keys for f in (f"--model.{k}", str(model[k]).lower())]
 
 
