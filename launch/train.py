@@ -173,6 +173,20 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":  # the torchrun / accelerate target: -m launch.train
+    import logging
+
+    import torch.distributed as dist
+
     from launch.cli import run_user_command
 
-    sys.exit(run_user_command(main, sys.argv[1:]))
+    rc = run_user_command(main, sys.argv[1:])
+    if rc and dist.is_initialized():
+        # A failed rank leaves its process group alive (pipeline.parallel.distributed: a
+        # teardown could deadlock); the interpreter's exit would then destroy gloo's running
+        # threads, std::terminate turning this rank's code into SIGABRT (-6) in about 1 run of
+        # 6, and the launcher's one error line into torchrun's traceback. Leave without it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
