@@ -40,13 +40,24 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["A", "B"], choices=sorted(SHAPES))
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: what train.dtype = auto picks on this CPU")
     a = p.parse_args()
+    import torch
+
+    from pipeline import attention
+    from pipeline.hardware import dtype_name, resolve_dtype
+
+    dtype = resolve_dtype(a.dtype, torch.device("cpu"))
+    # Both checkouts run the kernel this one's train.attention = auto picks (a base that chose by
+    # timing would otherwise time its own choice).
+    kernel = attention.resolve("auto", torch.device("cpu"), dtype, FULL["seq_len"])
+    a.dtype = dtype_name(dtype)
     print(f"{machine('cpu')}; this checkout {ROOT} vs base {a.base}; lmforge "
-          f"{'compiled' if a.compiled else 'eager'}, {a.dtype}, {a.rounds} rounds")
+          f"{'compiled' if a.compiled else 'eager'}, {a.dtype}, attention {kernel}, {a.rounds} rounds")
     for shape in a.shapes:
         run = dict(impl="lmforge", vocab=SHAPES[shape], compiled=a.compiled, device="cpu",
-                   dtype=a.dtype, profile=False, attention="sdpa", **FULL)
+                   dtype=a.dtype, profile=False, attention=kernel, **FULL)
         ratios, seen = [], {"new": [], "base": []}
         for i in range(a.rounds):
             order = [("new", ROOT), ("base", a.base)][:: 1 if i % 2 == 0 else -1]
