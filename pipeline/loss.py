@@ -61,11 +61,11 @@ def _chunk(h_CD, w_VD, safe_C, vocab_size, softcap, want_grad):
         logits_CV = softcap * tanh_CV
     if vocab_size < logits_CV.shape[1]:
         logits_CV[:, vocab_size:] = float("-inf")  # padded columns: no mass, no gradient
-    max_C, argmax_C = logits_CV.max(dim=-1)
     probs_CV = torch.softmax(logits_CV, dim=-1)  # one pass over each row, one exp per element
-    # At the row's max, softmax is exactly 1 / sum(exp(z - max)), never below 1/V: the
-    # log-sum-exp from it is exact where the target's own probability underflows fp32.
-    lse_C = max_C - probs_CV.gather(1, argmax_C[:, None]).squeeze(1).log()
+    # A row's largest probability, at its largest logit, is exactly 1 / sum(exp(z - max)), never
+    # below 1/V: the log-sum-exp from it is exact where the target's own probability underflows
+    # fp32. (amax, values only, takes an eighth of max(dim=-1)'s time, which also finds indices.)
+    lse_C = logits_CV.amax(dim=-1) - probs_CV.amax(dim=-1).log()
     loss_C = lse_C - logits_CV.gather(1, safe_C[:, None]).squeeze(1)
     if not want_grad:
         return loss_C, None
@@ -74,6 +74,18 @@ def _chunk(h_CD, w_VD, safe_C, vocab_size, softcap, want_grad):
     if softcap:  # d(c·tanh(z/c))/dz = 1 - tanh²
         grad_CV *= 1.0 - tanh_CV * tanh_CV
     return loss_C, grad_CV.to(h_CD.dtype)
+
+
+# Elements per block when, eager, a bf16 product is added into the fp32 head-gradient sum. Added
+# whole, the CPU casts the operand into a fresh V x D fp32 copy first: at GPT-2's vocabulary 2-3x
+# the add's time. By blocks the copy stays in cache (bench/results/README.md, the eager floor).
+ADD_BLOCK_ELEMS = 2**20
+
+
+def _add_by_blocks(sum_VD: torch.Tensor, part_VD: torch.Tensor) -> None:
+    rows = max(1, ADD_BLOCK_ELEMS // sum_VD.shape[1])
+    for start in range(0, len(sum_VD), rows):
+        sum_VD[start:start + rows] += part_VD[start:start + rows]
 
 
 def _chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, softcap, grad_scale_N=None):
@@ -98,8 +110,10 @@ def _chunks(h_ND, w_VD, targets_N, vocab_size, ignore_index, chunk, softcap, gra
             grad_w_VD = (grad_CV.T @ hs_CD).float()
         elif grad_CV.dtype == torch.float32:
             grad_w_VD.addmm_(grad_CV.T, hs_CD)
+        elif torch.compiler.is_compiling():  # inductor fuses the upcast into one whole add
+            grad_w_VD += grad_CV.T @ hs_CD
         else:
-            grad_w_VD += grad_CV.T @ hs_CD  # a bf16 product added into the fp32 sum
+            _add_by_blocks(grad_w_VD, grad_CV.T @ hs_CD)
     loss_N = torch.where(valid_N, torch.cat(losses), 0.0)
     if not want_grad:
         return loss_N, None, None
