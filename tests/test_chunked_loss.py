@@ -267,6 +267,23 @@ def test_bf16_autocast_gradients_are_as_close_to_fp64_as_the_full_logits_ones():
         assert err_chunked <= max(2 * err_full, 2 * 2**-8 * scale), (name, err_chunked, err_full)
 
 
+def test_bf16_head_gradient_added_by_blocks_is_bitwise_the_whole_add(monkeypatch):
+    """Eager, each chunk's bf16 head-gradient product joins the fp32 sum by blocks of rows: the
+    same additions, so the same bits as one block, here with 90-row blocks (the last one short,
+    over real vocabulary rows)."""
+    h_BTD, w_VD = head_operands(T=48, D=32, V=1024)
+    targets_BT = torch.randint(0, V_REAL, (2, 48), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for elems in (2**30, 32 * 90):
+        monkeypatch.setattr("pipeline.loss.ADD_BLOCK_ELEMS", elems)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, got[elems] = grads_of(lambda: ChunkedLoss(16)(h_BTD, w_VD, targets_BT, V_REAL),
+                                     h_BTD, w_VD, 1.0)
+    for whole, blocked in zip(got[2**30], got[32 * 90]):
+        assert torch.equal(whole, blocked)
+    assert got[2**30][1][990:V_REAL].abs().sum() > 0  # the short last block holds gradient
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_the_loss_compiled_alone_equals_eager_without_recompiles(reduction):
     """build_loss(compile_alone=True): FSDP2's compiled loss region (the whole model compiled
