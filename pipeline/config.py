@@ -88,6 +88,11 @@ class OptimConfig:
     """wsd only: the final fraction of the steps that decays linearly to the floor."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
+    embed_lr: float = 0.0
+    """Peak lr of the token (and value) embedding tables, AdamW; 0 = lr. A lookup table takes a far
+    larger lr than the head (nanochat, modded-nanogpt); needs model.tie_embeddings = false."""
+    head_lr: float = 0.0
+    """Peak lr of the LM head, AdamW; 0 = lr. Needs model.tie_embeddings = false."""
     beta1: float = 0.9
     """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95
@@ -221,6 +226,12 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     return config_from_dict(apply_overrides(JobConfig, d, list(overrides)))
 
 
+def own_lr_groups(o: OptimConfig) -> list[str]:
+    """The AdamW groups a run adds for lrs of their own ("embed", "head"): part of its optimizer
+    state's layout, so a resume cannot add or drop one."""
+    return [kind for kind, lr in (("embed", o.embed_lr), ("head", o.head_lr)) if lr and lr != o.lr]
+
+
 def wsd_decay_steps(max_steps: int, o: OptimConfig) -> int:
     """WSD's decay window: the last decay_fraction of the run (one step at least), after the
     warmup: a window reaching into the warmup would drop the lr from a peak never reached."""
@@ -273,6 +284,10 @@ def validate(cfg: JobConfig) -> None:
     need(0 < o.eps < 1, "optim.eps", "a small number > 0, e.g. 1e-8")
     need(o.grad_clip >= 0, "optim.grad_clip", ">= 0; 0 disables clipping")
     need(o.muon_lr > 0, "optim.muon_lr", "a finite number > 0, e.g. 0.02")
+    for key in ("optim.embed_lr", "optim.head_lr"):
+        need(flat[key] >= 0, key, ">= 0; 0 = optim.lr")
+        need(flat[key] == 0 or not m.tie_embeddings, key, "0 while model.tie_embeddings = true (the "
+             "tied table is also the head); set model.tie_embeddings = false for lrs of their own")
     try:
         cfg.sample.params()
     except SamplingError as err:
@@ -326,13 +341,14 @@ def _human(n: float) -> str:
 
 
 def _describe_optimizer(o: OptimConfig) -> str:
+    own = "".join(f"; {what} {lr:g}" for what, lr in (("embedding", o.embed_lr), ("head", o.head_lr)) if lr)
     if o.name == "adamw":
-        return f"AdamW (betas {o.beta1:g}/{o.beta2:g}, weight decay {o.weight_decay:g} on matrices)"
+        return f"AdamW (betas {o.beta1:g}/{o.beta2:g}, weight decay {o.weight_decay:g} on matrices{own})"
     momentum = (f"{o.muon_momentum_start:g}->{o.muon_momentum:g} over "
                 f"{o.muon_momentum_warmup_steps} steps" if o.muon_momentum_warmup_steps
                 else f"{o.muon_momentum:g}")
     return (f"Muon for the block matrices (peak lr {o.muon_lr:g}, momentum {momentum}, weight "
-            f"decay {o.muon_weight_decay:g}); AdamW for embedding/head and norms (peak lr {o.lr:g})")
+            f"decay {o.muon_weight_decay:g}); AdamW for embedding/head and norms (peak lr {o.lr:g}{own})")
 
 
 def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:

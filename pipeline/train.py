@@ -125,7 +125,7 @@ class Trainer:
         grad_accum_steps = self.derived.grad_accum_steps
         resume_from = ckpt.find_resume(cfg.checkpoint.resume, self.run_dir)
         resume_meta = None if resume_from is None else ckpt.read_resumable(
-            resume_from, self.model_cfg, cfg.optim.name, cfg.data)
+            resume_from, self.model_cfg, cfg.optim, cfg.data)
 
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
                                grad_accum_steps=grad_accum_steps, info=info,

@@ -12,6 +12,7 @@ import torch
 from bench.runs import TINY_ARGS, losses
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
+from pipeline.errors import CheckpointError
 from pipeline.optim.optimizers import (
     Muon,
     Optimizers,
@@ -87,6 +88,36 @@ def test_muon_gets_the_block_matrices_and_adamw_the_rest(tiny_model):
                       torch.optim.AdamW)
 
 
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_embedding_and_head_lrs_have_groups_of_their_own(name):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                            max_seq_len=32, tie_embeddings=False, value_embeds=True))
+    cfg = OptimConfig(name=name, lr=3e-3, embed_lr=0.3, head_lr=0.01, warmup_steps=4)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    apply_schedule(opt, 2, 100, cfg)
+    m = lr_multiplier(2, 100, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_kind = {g.get("kind", ""): g for g in opt.param_groups if g.get("kind") != "muon"}
+    assert sorted(names[id(p)] for p in by_kind["embed"]["params"]) == sorted(
+        ["tok_emb.weight", *(f"value_embeds.{i}.weight" for i in model.cfg.value_embed_layers())])
+    assert [names[id(p)] for p in by_kind["head"]["params"]] == ["lm_head.weight"]
+    assert by_kind["embed"]["lr"] == pytest.approx(0.3 * m) and by_kind["head"]["lr"] == pytest.approx(0.01 * m)
+    rest = [g for g in opt.param_groups if g.get("kind") in (None, "")]
+    assert rest and all(g["lr"] == pytest.approx(3e-3 * m) for g in rest)
+    grouped = [p for g in opt.param_groups for p in g["params"]]
+    assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("key", ["optim.embed_lr", "optim.head_lr"])
+def test_an_lr_of_its_own_needs_an_untied_head(key):
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}.*tie_embeddings = false") as e:
+        load_config(None, [f"--{key}", "0.1"])
+    assert "\n" not in str(e.value)
+    cfg = load_config(None, [f"--{key}", "0.1", "--model.tie_embeddings", "false", "--optim.name", "muon"])
+    assert ("embedding 0.1" if key == "optim.embed_lr" else "head 0.1") in describe(cfg, derive(cfg, 1), 1000)
+
+
 def _three_steps(opt_cls, **kw) -> torch.Tensor:
     """How far three steps move a 48x24 matrix (momentum accumulates over them)."""
     torch.manual_seed(1)
@@ -147,13 +178,15 @@ def _cfg(data, out, *extra):
                               "--train.max_steps", "8", "--checkpoint.every", "4", *extra])
 
 
-def test_muon_resume_is_exact_and_saves_momentum(tiny_data, tmp_path):
-    Trainer(_cfg(tiny_data, tmp_path / "straight"), CPU).fit()
+@pytest.mark.parametrize("own_lrs", [[], ["--model.tie_embeddings", "false", "--optim.embed_lr", "0.1",
+                                         "--optim.head_lr", "0.01"]], ids=["tied", "own-lrs"])
+def test_muon_resume_is_exact_and_saves_momentum(tiny_data, tmp_path, own_lrs):
+    Trainer(_cfg(tiny_data, tmp_path / "straight", *own_lrs), CPU).fit()
     straight = losses(tmp_path / "straight")
     assert straight[8] < straight[1] - 0.3 and all(math.isfinite(v) for v in straight.values())
     step4 = tmp_path / "resumed" / "checkpoints" / "step_00000004"
     shutil.copytree(tmp_path / "straight" / "checkpoints" / step4.name, step4)
-    resumed = Trainer(_cfg(tiny_data, tmp_path / "resumed", "--checkpoint.resume", "auto"), CPU)
+    resumed = Trainer(_cfg(tiny_data, tmp_path / "resumed", "--checkpoint.resume", "auto", *own_lrs), CPU)
     assert resumed.step == 4
     muon = list(resumed.optimizer)[1]
     assert all(muon.state[p]["momentum_buffer"].abs().sum() > 0
@@ -161,3 +194,21 @@ def test_muon_resume_is_exact_and_saves_momentum(tiny_data, tmp_path):
     resumed.fit()
     after = losses(tmp_path / "resumed")
     assert {s: after[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
+
+
+def test_a_resume_retunes_the_tables_lrs_but_cannot_add_their_groups(tiny_data, tmp_path):
+    untied = ["--model.tie_embeddings", "false"]
+    Trainer(_cfg(tiny_data, tmp_path / "straight", *untied, "--optim.embed_lr", "0.1"), CPU).fit()
+    step4 = "checkpoints/step_00000004"
+    for out, lrs in (("retuned", ["--optim.embed_lr", "0.2"]), ("added", ["--optim.head_lr", "0.01",
+                                                                          "--optim.embed_lr", "0.1"])):
+        shutil.copytree(tmp_path / "straight" / step4, tmp_path / out / step4)
+        args = (tiny_data, tmp_path / out, "--checkpoint.resume", "auto", *untied, *lrs)
+        if out == "retuned":
+            resumed = Trainer(_cfg(*args), CPU)
+            embed = next(g for g in resumed.optimizer.param_groups if g.get("kind") == "embed")
+            assert resumed.step == 4 and list(resumed.optimizer)[0].state[embed["params"][0]]["step"] == 4
+            continue
+        with pytest.raises(CheckpointError, match=r"resume with --optim.embed_lr 0.1 --optim.head_lr 0,") as e:
+            Trainer(_cfg(*args), CPU)
+        assert "\n" not in str(e.value) and not (tmp_path / out / "metrics.jsonl").exists()

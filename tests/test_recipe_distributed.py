@@ -1,4 +1,4 @@
-"""The recipe preset (configs/tiny_modern.toml's model options, with Muon) under real 2-process
+"""The recipe preset (configs/tiny_modern.toml's model options and table lrs, with Muon) under real 2-process
 runs on CPU: DDP on 2 ranks == 1 process with accumulation, FSDP2 == DDP, and an FSDP2 run
 resumed from its checkpoint continues exactly as the uninterrupted run."""
 
@@ -21,11 +21,14 @@ PRESET = Path(__file__).resolve().parents[1] / "configs" / "tiny_modern.toml"
 
 
 def preset_flags() -> list[str]:
-    """The preset's model options as flags (the shape stays the tiny test model's)."""
-    model = tomllib.loads(PRESET.read_text())["model"]
+    """The preset's model options and the lrs of its tables as flags (the shape stays the tiny
+    test model's)."""
+    preset = tomllib.loads(PRESET.read_text())
+    model, optim = preset["model"], preset["optim"]
     keys = [k for k in model if k in (*RECIPE_OPTIONS, "mlp", "tie_embeddings")]
-    assert {"mlp", "tie_embeddings"} <= set(keys), keys  # the preset holds the recipe
-    return [f for k in keys for f in (f"--model.{k}", str(model[k]).lower())]
+    assert {"mlp", "tie_embeddings"} <= set(keys) and {"embed_lr", "head_lr"} <= set(optim), keys
+    return [f for k in keys for f in (f"--model.{k}", str(model[k]).lower())] + [
+        f for k in ("embed_lr", "head_lr") for f in (f"--optim.{k}", str(optim[k]))]
 
 
 def preset_args(data, out, *extra: str) -> list[str]:

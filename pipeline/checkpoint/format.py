@@ -39,7 +39,14 @@ from data_prep.shards import copy_plain_tree
 from model import ModelConfig
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.checkpoint.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
-from pipeline.config import ConfigError, JobConfig, config_from_dict, config_to_dict
+from pipeline.config import (
+    ConfigError,
+    JobConfig,
+    OptimConfig,
+    config_from_dict,
+    config_to_dict,
+    own_lr_groups,
+)
 from pipeline.data.config import DataConfig, check_same_schedule
 from pipeline.metrics import get_logger
 from pipeline.parallel.distributed import DistInfo, barrier
@@ -270,7 +277,7 @@ def _drop_oldest(root: Path, lineage: str, keep: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str,
+def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim: OptimConfig,
                    data: DataConfig) -> CheckpointMeta:
     """The meta of a checkpoint to resume `model_cfg` from, refused with one line if it is of
     another model or data schedule (mixture weights, phases), holds another optimizer's state or
@@ -285,10 +292,17 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim_name: str,
     if meta.loader is None:
         raise CheckpointError(f"{ckpt_dir} holds no training state (an export); "
                               "resume from a checkpoints/step_* directory")
-    if (theirs := meta.config.optim.name) != optim_name:
+    if (theirs := meta.config.optim.name) != optim.name:
         raise CheckpointError(f"checkpoint {ckpt_dir} holds {theirs} optimizer state, this run "
-                              f"asks for optim.name = {optim_name}; resume with --optim.name "
+                              f"asks for optim.name = {optim.name}; resume with --optim.name "
                               f"{theirs}, or start a new run directory")
+    if own_lr_groups(old := meta.config.optim) != own_lr_groups(optim):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} was trained with optim.embed_lr = {old.embed_lr:g}, head_lr = "
+            f"{old.head_lr:g} (lr {old.lr:g}), this run asks for {optim.embed_lr:g}, "
+            f"{optim.head_lr:g} (lr {optim.lr:g}): an lr of their own is a group of the optimizer's "
+            f"state, which a resume can retune but not add or drop; resume with --optim.embed_lr "
+            f"{old.embed_lr:g} --optim.head_lr {old.head_lr:g}, or start a new run directory")
     return meta
 
 

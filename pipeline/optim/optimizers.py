@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from pipeline.config import OptimConfig, wsd_decay_steps
+from pipeline.config import OptimConfig, own_lr_groups, wsd_decay_steps
 from pipeline.optim.muon import Muon
 
 
@@ -23,10 +23,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     """AdamW, or (optim.name = "muon") Muon + AdamW as one `Optimizers`. ns_dtype: Muon's
     Newton–Schulz precision (the trainer passes its compute dtype)."""
     if cfg.name == "adamw":
-        return _keeping_memory(_adamw(model.parameters(), cfg, device), model, device)
+        return _keeping_memory(_adamw(list(model.named_parameters()), cfg, device), model, device)
     matrices = [p for name, p in model.named_parameters() if is_muon_matrix(name, p)]
     chosen = {id(p) for p in matrices}
-    others = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    others = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen]
     muon = Muon(
         [{"params": matrices, "kind": "muon"}], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
         nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype,
@@ -50,17 +50,35 @@ def is_muon_matrix(name: str, param: nn.Parameter) -> bool:
     return param.requires_grad and ".blocks." in f".{name}" and param.ndim == 2
 
 
-def _adamw(params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def role(name: str) -> str:
+    """The lr group of a parameter outside Muon: "embed" (the token and value embedding tables),
+    "head" (an untied LM head; a tied one is the token table) or "" (optim.lr)."""
+    parts = name.split(".")
+    return "embed" if "tok_emb" in parts or "value_embeds" in parts else "head" if "lm_head" in parts else ""
+
+
+def peak_lr(kind: str, cfg: OptimConfig) -> float:
+    """A group's peak lr: optim.muon_lr, optim.embed_lr / head_lr where set, else optim.lr."""
+    return {"muon": cfg.muon_lr, "embed": cfg.embed_lr, "head": cfg.head_lr}.get(kind) or cfg.lr
+
+
+def _adamw(named_params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     # Decay only matrices (linear weights, embeddings); norms' gains are 1-D and decaying them
-    # towards zero only fights the normalisation.
-    decay, no_decay = [], []
-    for p in params:
+    # towards zero only fights the normalisation. A table or head gets a group of its own only
+    # where its lr is set, so that runs without it keep their checkpoints' group layout.
+    own = own_lr_groups(cfg)
+    decay, no_decay, by_role = [], [], {kind: [] for kind in own}
+    for name, p in named_params:
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            kind = role(name)
+            (by_role[kind] if kind in own else decay if p.ndim >= 2 else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
+        *({"params": ps, "weight_decay": cfg.weight_decay, "kind": kind, "lr": peak_lr(kind, cfg)}
+          for kind, ps in by_role.items()),
     ]
+    groups = [g for g in groups if g["params"]]  # DCP refuses empty groups beside another optimizer
     # The fused kernel updates each parameter in one pass; foreach makes ~8 passes over the
     # parameters and both moments, which is most of an optimizer step where matmuls are cheap
     # (bench/results/adamw_step_*.txt). torch has it for CUDA and CPU tensors, DTensor included.
@@ -128,13 +146,12 @@ def muon_momentum_at(step: int, cfg: OptimConfig) -> float:
 
 
 def apply_schedule(optimizer, step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """Set every group's lr (its own peak, optim.muon_lr or optim.lr, x the schedule) and Muon's
-    momentum for `step`; returns AdamW's lr. The peaks come from the config, never from a loaded
-    optimizer state, so a resumed run follows the config it was resumed with."""
+    """Set every group's lr (its own peak, `peak_lr`, x the schedule) and Muon's momentum for
+    `step`; returns AdamW's lr. The peaks come from the config, never from a loaded optimizer
+    state, so a resumed run follows the config it was resumed with."""
     multiplier = lr_multiplier(step, max_steps, cfg)
     for group in optimizer.param_groups:
-        muon = group.get("kind") == "muon"
-        group["lr"] = (cfg.muon_lr if muon else cfg.lr) * multiplier
-        if muon:
+        group["lr"] = peak_lr(group.get("kind", ""), cfg) * multiplier
+        if group.get("kind") == "muon":
             group["momentum"] = muon_momentum_at(step, cfg)
     return cfg.lr * multiplier
