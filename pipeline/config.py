@@ -226,10 +226,15 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     return config_from_dict(apply_overrides(JobConfig, d, list(overrides)))
 
 
+def table_lrs(o: OptimConfig) -> dict[str, float]:
+    """The lrs an untied model's tables may have of their own, by AdamW group kind (0 = lr)."""
+    return {"embed": o.embed_lr, "head": o.head_lr}
+
+
 def own_lr_groups(o: OptimConfig) -> list[str]:
     """The AdamW groups a run adds for lrs of their own ("embed", "head"): part of its optimizer
     state's layout, so a resume cannot add or drop one."""
-    return [kind for kind, lr in (("embed", o.embed_lr), ("head", o.head_lr)) if lr and lr != o.lr]
+    return [kind for kind, lr in table_lrs(o).items() if lr and lr != o.lr]
 
 
 def wsd_decay_steps(max_steps: int, o: OptimConfig) -> int:
@@ -341,7 +346,8 @@ def _human(n: float) -> str:
 
 
 def _describe_optimizer(o: OptimConfig) -> str:
-    own = "".join(f"; {what} {lr:g}" for what, lr in (("embedding", o.embed_lr), ("head", o.head_lr)) if lr)
+    own = "".join(f"; {'embedding' if kind == 'embed' else kind} {lr:g}"
+                  for kind, lr in table_lrs(o).items() if lr)
     if o.name == "adamw":
         return f"AdamW (betas {o.beta1:g}/{o.beta2:g}, weight decay {o.weight_decay:g} on matrices{own})"
     momentum = (f"{o.muon_momentum_start:g}->{o.muon_momentum:g} over "

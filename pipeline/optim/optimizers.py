@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from pipeline.config import OptimConfig, own_lr_groups, wsd_decay_steps
+from pipeline.config import OptimConfig, own_lr_groups, table_lrs, wsd_decay_steps
 from pipeline.optim.muon import Muon
 
 
@@ -23,7 +23,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     """AdamW, or (optim.name = "muon") Muon + AdamW as one `Optimizers`. ns_dtype: Muon's
     Newton–Schulz precision (the trainer passes its compute dtype)."""
     if cfg.name == "adamw":
-        return _keeping_memory(_adamw(list(model.named_parameters()), cfg, device), model, device)
+        return _keeping_memory(_adamw(model.named_parameters(), cfg, device), model, device)
     matrices = [p for name, p in model.named_parameters() if is_muon_matrix(name, p)]
     chosen = {id(p) for p in matrices}
     others = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen]
@@ -59,7 +59,7 @@ def role(name: str) -> str:
 
 def peak_lr(kind: str, cfg: OptimConfig) -> float:
     """A group's peak lr: optim.muon_lr, optim.embed_lr / head_lr where set, else optim.lr."""
-    return {"muon": cfg.muon_lr, "embed": cfg.embed_lr, "head": cfg.head_lr}.get(kind) or cfg.lr
+    return {"muon": cfg.muon_lr, **table_lrs(cfg)}.get(kind) or cfg.lr
 
 
 def _adamw(named_params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -75,8 +75,7 @@ def _adamw(named_params, cfg: OptimConfig, device: torch.device) -> torch.optim.
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
-        *({"params": ps, "weight_decay": cfg.weight_decay, "kind": kind, "lr": peak_lr(kind, cfg)}
-          for kind, ps in by_role.items()),
+        *({"params": ps, "weight_decay": cfg.weight_decay, "kind": kind} for kind, ps in by_role.items()),
     ]
     groups = [g for g in groups if g["params"]]  # DCP refuses empty groups beside another optimizer
     # The fused kernel updates each parameter in one pass; foreach makes ~8 passes over the
