@@ -13,30 +13,40 @@ from pathlib import Path
 
 from data_prep.errors import DataError
 from data_prep.outdir import TOKENIZER_DIR, resume_state, save_state
-from data_prep.prepare import part_slice
+from data_prep.prepare import part_slice, write_errors
 from data_prep.shards import (
     FORMAT_VERSION,
     SPLITS,
     Manifest,
     ShardInfo,
+    check_shard,
     copy_plain_tree,
     index_path,
     load_manifest,
+    read_doc_index,
     shard_name,
 )
+from data_prep.tokenizer import dataset_tokenizer_meta
 
 
 def merge(dirs: list[Path], out: Path) -> Manifest:
     """Join the part directories `dirs` (any order) into `out`; a no-op when already done."""
     parts = ordered_parts([load_manifest(d) for d in dirs])
+    for m in parts:  # each part's files, as a reader of it would take them
+        dataset_tokenizer_meta(m.data_dir)
+        for s in m.shards:
+            check_shard(m.data_dir / s.file, s, m.vocab_size, False, m.dtype)
+            read_doc_index(m.data_dir / s.file, s.tokens, s.index_sha256)
     identity = {k: v for k, v in parts[0].args.items() if k != "part"}
     identity |= {"part": None, "merged_parts": len(parts)}
     finished, _ = resume_state(out, identity)
     if finished:
         return load_manifest(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_state(out, identity, [])
-    copy_plain_tree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
+    with write_errors(out, []):
+        out.mkdir(parents=True, exist_ok=True)
+        save_state(out, identity, [])
+        copy_plain_tree(parts[0].data_dir / TOKENIZER_DIR, out / TOKENIZER_DIR, dirs_exist_ok=True)
+        shards = link_shards(parts, out)
     m0 = parts[0]
     # Counts add up over the parts; what every part shares (the val threshold and floor, the
     # fingerprint of the files all of them read) is the first part's.
@@ -45,8 +55,9 @@ def merge(dirs: list[Path], out: Path) -> Manifest:
     merged = Manifest(version=FORMAT_VERSION, vocab_size=m0.vocab_size, eot_id=m0.eot_id,
                       tokenizer=m0.tokenizer, source=m0.source, args=identity,
                       stats=stats | {k: m0.stats.get(k) for k in shared},
-                      dtype=m0.dtype, shards=link_shards(parts, out), data_dir=out)
-    merged.save(out)
+                      dtype=m0.dtype, shards=shards, data_dir=out)
+    with write_errors(out, []):
+        merged.save(out)
     return merged
 
 
@@ -86,7 +97,7 @@ def link_shards(parts: list[Manifest], out: Path) -> list[ShardInfo]:
         for i, (m, s) in enumerate(shards):
             name = shard_name(sp, i)
             _link_or_copy(m.data_dir / s.file, out / name)
-            if index_path(m.data_dir / s.file).is_file():  # parts prepared before the index: none
+            if os.path.lexists(index_path(m.data_dir / s.file)):  # none in older parts: checked
                 _link_or_copy(index_path(m.data_dir / s.file), index_path(out / name))
             infos.append(ShardInfo(name, sp, s.tokens, s.documents, s.sha256, s.index_sha256))
     return infos

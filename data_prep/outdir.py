@@ -9,6 +9,7 @@ else's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -16,8 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.errors import DataError
+from data_prep.safe_files import read_text
 from data_prep.shards import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     SPLITS,
     ShardError,
     ShardInfo,
@@ -86,7 +89,7 @@ def _read_state(path: Path) -> dict:
     """A prepare's resume state, its shapes checked (shard names confined to the directory)."""
     fix = f"delete {path.parent} and prepare again"
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(read_text(path, MAX_MANIFEST_BYTES, what="prepare's resume state"))
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {path} ({e}); {fix}") from None
     if not isinstance(d, dict) or not isinstance(d.get("args"), dict):
@@ -112,17 +115,17 @@ def resume_state(out: Path, identity: dict,
     if not out.exists() or not any(out.iterdir()):
         return False, []
     manifest, state = out / MANIFEST_NAME, out / STATE_NAME
-    if manifest.is_file():
+    if os.path.lexists(manifest):  # a link or special file there is refused by the reader
         m = load_manifest(out)
         _check_args(out, m.args, identity)
         for info in m.shards:  # cheap header check; --verify does the checksums
-            check_shard(out / info.file, info, m.vocab_size, checksum=False)
+            check_shard(out / info.file, info, m.vocab_size, False, m.dtype)
         if None not in (source_files, m.stats.get("source_files")) and \
                 m.stats["source_files"] != source_files:
             print(f"note: the files of --source changed since {out} was prepared; its shards hold "
                   "the old text (delete it, or use a new --out, to prepare the new)", file=sys.stderr)
         return True, m.shards
-    if not state.is_file():
+    if not os.path.lexists(state):
         raise DataError(f"output directory {out} is not empty and not an lmforge prepare output; "
                         "choose an empty or new --out directory")
     d = _read_state(state)

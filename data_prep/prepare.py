@@ -17,10 +17,12 @@ written last; its presence makes a re-run a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import heapq
 import itertools
+import math
 import os
 import shutil
 import sys
@@ -37,6 +39,7 @@ from tqdm import tqdm
 
 from data_prep.errors import DataError, is_disk_full
 from data_prep.outdir import TOKENIZER_DIR, Ledger, ShardWriter, resume_state, sort_shards
+from data_prep.safe_files import check_writable
 from data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
 from data_prep.sources import Source
 from data_prep.tokenizer import (
@@ -183,30 +186,45 @@ def val_threshold(cfg: PrepareConfig, enc: tiktoken.Encoding, base: int) -> int:
 def floor_threshold(docs: Iterable[str], enc: tiktoken.Encoding, base: int,
                     floor: int = VAL_FLOOR_TOKENS) -> int:
     """`base`, or -- when the documents under it hold fewer than `floor` tokens -- the threshold
-    that also takes the documents with the next smallest keys until val holds `floor` tokens, but
-    at most half the documents, so that train keeps the rest."""
-    below = held = n = 0  # tokens under `base`; tokens in `heap`; documents read
-    heap: list[tuple[int, int]] = []  # (-key, tokens): the fewest smallest keys holding `floor`
+    that also takes the documents with the next smallest keys until val holds `floor` tokens. At
+    most half the documents go to val, copies counted one by one (copies share a key, so they
+    all go to one side): where even `base` sends more, val takes fewer, down to none."""
+    below = held = n = 0  # tokens under `base`; tokens in `groups`; documents read
+    # The fewest smallest keys holding `floor` tokens: key -> [copies, tokens each], and a heap
+    # of their -keys (the largest on top, dropped while the rest still hold `floor`).
+    groups: dict[int, list[int]] = {}
+    heap: list[int] = []
     for text in docs:
         n += 1
         key = doc_key(text)
-        if key >= base and held >= floor and key >= -heap[0][0]:
+        if key >= base and held >= floor and key > -heap[0]:
             continue  # neither val by the hash rule nor among the smallest keys: not encoded
-        tokens = len(encode_ordinary(enc, text)) + 1
+        group = groups.get(key)
+        tokens = group[1] if group else len(encode_ordinary(enc, text)) + 1
         if key < base:
             below += tokens
             if below >= floor:  # the usual case past a few hundred thousand tokens of input
                 return base
-        heapq.heappush(heap, (-key, tokens))
+        if group:
+            group[0] += 1
+        else:
+            groups[key] = [1, tokens]
+            heapq.heappush(heap, -key)
         held += tokens
-        while held - heap[0][1] >= floor:
-            held -= heapq.heappop(heap)[1]
-    keys = sorted(-k for k, _ in heap)[:n // 2]
-    return max(base, keys[-1] + 1) if keys else base
+        while held - math.prod(groups[-heap[0]]) >= floor:
+            held -= math.prod(groups.pop(-heapq.heappop(heap)))
+    cut = taken = 0  # the largest threshold that sends at most half the documents to val
+    for key in sorted(groups):
+        taken += groups[key][0]
+        if taken > n // 2:
+            break
+        cut = key + 1
+    over = sum(c for k, (c, _) in groups.items() if k < base) > n // 2  # groups under base stay
+    return cut if over else max(base, cut)
 
 
 def _source(cfg: PrepareConfig) -> Source:
-    return Source(cfg.source, text_field=cfg.text_field, lines=cfg.lines)
+    return Source(cfg.source, text_field=cfg.text_field, lines=cfg.lines, exclude=Path(cfg.out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +303,7 @@ def prepare(cfg: PrepareConfig) -> Manifest:
     if finished:
         print(f"{out} is already prepared with these arguments; nothing to do", file=sys.stderr)
         return load_manifest(out)
+    check_writable(out, what="--out")  # before the source is read or a tokenizer trained
     if next(iter(documents(cfg, _source(cfg))), None) is None:  # before anything is written
         raise DataError(f"source {cfg.source!r} has no documents (empty files, or --text-field "
                         "empty everywhere); point --source at real text")
@@ -297,20 +316,13 @@ def prepare(cfg: PrepareConfig) -> Manifest:
     if enc.n_vocab > np.iinfo(dtype).max + 1:
         raise DataError(f"vocabulary of {enc.n_vocab} tokens does not fit --dtype {cfg.dtype}; "
                         "use --dtype uint32 or auto")
-    out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out, identity, done, source_files)
-    try:
+    with write_errors(out, ledger.done):
+        out.mkdir(parents=True, exist_ok=True)
         ledger.save()  # first, so a crash from here on leaves a resumable dir
         tok_meta = save_tokenizer_dir(enc, out / TOKENIZER_DIR, kind, name)
         stats = run_pipeline(cfg, _source(cfg), enc, dtype, threshold, ledger)
-    except OSError as e:
-        if not is_disk_full(e):
-            raise
-        raise DataError(f"no space left on device writing {out} (free "
-                        f"{shutil.disk_usage(out).free / 2**20:,.1f} MB, {len(ledger.done)} "
-                        "shards finished and kept); free space, then run the same command: it "
-                        "resumes after them") from None
-    stats["val_floor"] = VAL_FLOOR_TOKENS if threshold > base else None  # the summary says it
+    stats["val_floor"] = VAL_FLOOR_TOKENS if threshold != base else None  # the summary says it
     m = Manifest(
         version=FORMAT_VERSION, vocab_size=enc.n_vocab, eot_id=eot_id(enc),
         tokenizer={k: tok_meta[k] for k in ("kind", "name", "vocab_size", "eot_id", "sha256",
@@ -319,8 +331,25 @@ def prepare(cfg: PrepareConfig) -> Manifest:
         shards=sort_shards(ledger.done), data_dir=out)
     if not m.num_tokens("train"):
         raise DataError("every document went to val; lower --val-fraction/--val-docs")
-    m.save(out)
+    with write_errors(out, ledger.done):
+        m.save(out)
     return m
+
+
+@contextlib.contextmanager
+def write_errors(out: Path, done: list) -> Iterator[None]:
+    """A write into OUT that fails is one line; the `done` shards stay, for a resume."""
+    try:
+        yield
+    except OSError as e:
+        if is_disk_full(e):
+            raise DataError(f"no space left on device writing {out} (free "
+                            f"{shutil.disk_usage(out).free / 2**20:,.1f} MB, {len(done)} "
+                            "shards finished and kept); free space, then run the same command: "
+                            "it resumes after them") from None
+        raise DataError(f"cannot write {e.filename or out} ({e.strerror}); {len(done)} "
+                        "shards finished and kept: make it writable, then run the same command "
+                        "to resume") from None
 
 
 @dataclass

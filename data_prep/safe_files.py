@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import stat
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
@@ -131,3 +134,52 @@ def check_tree(directory: str | Path, *, what: str = "directory") -> None:
                 raise UnsafeFile(f"{what} {directory} holds {Path(root, name)}, which is "
                                  f"{kind_of(mode)}; lmforge takes only regular files and "
                                  "directories there (remove it or replace it with the file)")
+
+
+def file_sha256(path: str | Path, *, what: str = "file") -> str:
+    sha = hashlib.sha256()
+    with open_file(path, "rb", what=what) as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def atomic_write_bytes(path: str | Path, chunks: Iterable, sha=None, per_process: bool = False,
+                       *, what: str = "file") -> None:
+    """Write `chunks` (bytes-likes) to `path` via a temp name + rename, so a crash never leaves a
+    half-written file under the final name, and the rename replaces a link at `path` instead of
+    writing through it. Feeds each chunk to `sha` if given. `per_process`: a temp name of this
+    process's own, for a file that several processes may write at once."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if per_process else f".{path.name}.tmp")
+    with open_file(tmp, "wb", what=what) as f:  # a link or special file planted there: refused
+        try:
+            for chunk in chunks:
+                f.write(chunk)
+                if sha is not None:
+                    sha.update(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk keeps none of its space
+            raise
+    try:
+        os.replace(tmp, path)
+    except BaseException:  # `path` a directory, say: the temp file is not left behind
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_writable(directory: str | Path, *, what: str = "output") -> None:
+    """DataError unless a file can be created in `directory` (or, where it does not exist yet, in
+    its nearest existing parent): said before any work, not after it. Creates and removes one
+    temp file there (the only sure test: permissions, a read-only mount, root's rights)."""
+    directory = Path(os.path.abspath(directory))
+    at = next(p for p in (directory, *directory.parents) if os.path.lexists(p))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lmforge-probe.", dir=at)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise DataError(f"cannot write {what} {directory}: {at} is not writable ({e.strerror}); "
+                        "give a path in a writable directory") from None

@@ -47,6 +47,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 from dataclasses import dataclass, field
@@ -56,6 +57,14 @@ from typing import Any
 import numpy as np
 
 from data_prep.errors import DataError
+from data_prep.safe_files import (
+    atomic_write_bytes,
+    check_tree,
+    file_sha256,
+    open_file,
+    read_bytes,
+    read_text,
+)
 
 FORMAT_VERSION = 1
 MAGIC = b"LMFSHARD"
@@ -64,6 +73,7 @@ HEADER_BYTES = _HEADER.size  # 32
 INDEX_MAGIC = b"LMFDOCIX"
 INDEX_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # ~250 bytes a shard: far past any dataset's shard list
 SPLITS = ("train", "val")
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
@@ -100,26 +110,6 @@ def check_dir_path(path: Path, flag: str) -> None:
             return
 
 
-def atomic_write_bytes(path: Path, chunks, sha=None, per_process: bool = False) -> None:
-    """Write `chunks` (bytes-likes) to `path` via a temp name + rename, so a crash never leaves a
-    half-written file under the final name. Feeds each chunk to `sha` if given. `per_process`:
-    a temp name of this process's own, for a file that several processes may write at once."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if per_process else f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-                if sha is not None:
-                    sha.update(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk keeps none of its space
-        raise
-    os.replace(tmp, path)
-
-
 def write_shard(path: Path | str, tokens: np.ndarray | list[np.ndarray], vocab_size: int,
                 dtype: np.dtype | None = None) -> str:
     """Write one shard atomically; returns the sha256 (hex) of the whole file.
@@ -148,9 +138,8 @@ def read_header(path: Path | str) -> tuple[int, np.dtype, int, int]:
     """(version, dtype, count, vocab_size) of a shard, after checking magic, version and size."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
+        with open_file(path, "rb", what="shard") as f:  # a link, FIFO or device: refused
+            size, raw = os.fstat(f.fileno()).st_size, f.read(HEADER_BYTES)
     except OSError as e:
         raise ShardError(f"cannot read shard {path}: {e.strerror}; {_fix_hint(path)}") from None
     if len(raw) < HEADER_BYTES:
@@ -189,8 +178,8 @@ def read_doc_index(shard: Path | str, shard_tokens: int, sha256: str = "") -> np
     one, header, size, order, range); None when the shard has no index (prepared before the
     index existed). That each offset is an EOT is `check_doc_index`'s, which reads the tokens."""
     path = index_path(Path(shard))
-    try:
-        raw = path.read_bytes()
+    try:  # bounded: an index holds at most one offset per token of its shard
+        raw = read_bytes(path, HEADER_BYTES + 8 * shard_tokens, what="document index")
     except FileNotFoundError:
         if sha256:
             raise ShardError(f"document index {path} is missing; {_fix_hint(Path(shard))}") from None
@@ -230,37 +219,27 @@ def open_shard(path: Path | str) -> np.ndarray:
 
 
 def map_tokens(path: Path | str, dtype: np.dtype, count: int) -> np.ndarray:
-    """The tokens of a shard whose header was already validated, as a read-only np.memmap."""
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
-
-
-def symlinks_in(directory: Path) -> list[Path]:
-    """The symbolic links in `directory` (itself included), never following one."""
-    found = [directory] if directory.is_symlink() else []
-    for root, dirs, files in os.walk(directory, followlinks=False):
-        found += [Path(root, n) for n in (*dirs, *files) if Path(root, n).is_symlink()]
-    return found
+    """The tokens of a shard whose header was already validated, as a read-only np.memmap of the
+    file opened by the rule (its size checked again on the descriptor mapped: a file replaced or
+    cut since its header was read would map other bytes, or fault on a read past its end)."""
+    with open_file(path, "rb", what="shard") as f:
+        if os.fstat(f.fileno()).st_size != HEADER_BYTES + count * dtype.itemsize:
+            raise ShardError(f"shard {path} changed size since its header was read; "
+                             f"{_fix_hint(Path(path))}")
+        if count == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(f, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
 def copy_plain_tree(src: Path, dst: Path, dirs_exist_ok: bool = False) -> None:
-    """Copy a tokenizer or data directory, refusing any symbolic link in it: following one would
-    put a file from outside (a user's secret, say) into a checkpoint or an export."""
-    links = symlinks_in(Path(src))
-    if links:
-        raise DataError(f"{links[0]} is a symbolic link; lmforge copies only regular files out of "
-                        f"{src} (replace the link with the file it points to)")
+    """Copy a tokenizer or data directory of directories and regular files only: following a
+    link would put a file from outside (a user's secret, say) into a checkpoint or an export, and
+    a FIFO would hang the copy."""
+    check_tree(src, what="directory to copy")
+    if dirs_exist_ok and os.path.lexists(dst):  # a copy over one: never written through a link
+        check_tree(dst, what="directory copied into")
     # symlinks=True: a link made after the check above is copied as a link, never followed.
     shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=dirs_exist_ok)
-
-
-def file_sha256(path: Path | str) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 @dataclass
@@ -321,12 +300,17 @@ _MANIFEST_TYPES = {"version": int, "vocab_size": int, "eot_id": int, "tokenizer"
 _SHARD_TYPES = {"file": str, "split": str, "tokens": int, "documents": int, "sha256": str,
                 "index_sha256": str}
 _TOKENIZER_KEYS = ("kind", "name", "sha256")  # optional: a synthetic dataset has none
+# The stats prepare writes (all optional; a count is an int >= 0): what `inspect` prints and
+# `--merge` adds up. Any other key is refused, as a typo in a config is.
+_STATS_TYPES = {"documents": int, "train_documents": int, "val_documents": int,
+                "replaced_chars": int, "val_threshold": int, "val_floor": (int, type(None)),
+                "source_files": (str, type(None))}
 
 
 def _typed(d: dict, types: dict[str, type]) -> list[str]:
     """The keys of `d` whose value is not of its JSON type (a bool is no int here)."""
     return [k for k, tp in types.items() if k in d and (
-        not isinstance(d[k], tp) or (tp is int and isinstance(d[k], bool)))]
+        not isinstance(d[k], tp) or isinstance(d[k], bool))]
 
 
 def shard_infos_from_json(items: Any, where: Path, fix: str) -> list[ShardInfo]:
@@ -345,8 +329,11 @@ def shard_infos_from_json(items: Any, where: Path, fix: str) -> list[ShardInfo]:
         raise ShardError(f"{where} lists shards of unknown split: {bad}; {fix}")
     if bad := [s.file for s in infos if s.tokens < 0 or s.documents < 0]:
         raise ShardError(f"{where} gives negative counts for shards {bad[:2]}; {fix}")
-    if bad := [s.file for s in infos if Path(s.file).name != s.file or s.file in ("", ".", "..")]:
-        raise ShardError(f"{where} names shards outside its directory: {bad[:2]}; {fix}")
+    # Only names prepare gives (split_NNNNNN.bin): a path such as "../x" or "/etc/x" would read
+    # or delete outside the directory, "manifest.json" another file of it.
+    if bad := [s.file for s in infos if not re.fullmatch(rf"{s.split}_\d{{6,}}\.bin", s.file)]:
+        raise ShardError(f"{where} names shards outside its directory, or not as its shard "
+                         f"files (SPLIT_NNNNNN.bin): {bad[:2]}; {fix}")
     return infos
 
 
@@ -368,41 +355,51 @@ def manifest_from_json(d: Any, where: Path) -> Manifest:
                          f"{', '.join(_MANIFEST_TYPES[k].__name__ for k in bad)}; {fix}")
     if bad := [k for k in _TOKENIZER_KEYS if not isinstance(d["tokenizer"].get(k, ""), str)]:
         raise ShardError(f"{where}: its tokenizer's {bad} are not text; {fix}")
-    if not 0 <= d["eot_id"] < d["vocab_size"] or d.get("dtype", "uint16") not in ("uint16", "uint32"):
+    stats = d.get("stats", {})
+    if bad := sorted(set(stats) - _STATS_TYPES.keys()) + _typed(stats, _STATS_TYPES) + \
+            [k for k, v in stats.items() if isinstance(v, int) and v < 0]:
+        raise ShardError(f"{where}: its stats {bad} are unknown keys or values of the wrong type "
+                         f"(counts are integers >= 0); {fix}")
+    dtype = d.get("dtype") or ("uint16" if d["vocab_size"] <= 2**16 else "uint32")
+    if not 0 <= d["eot_id"] < d["vocab_size"] or dtype not in ("uint16", "uint32") or \
+            d["vocab_size"] > np.iinfo(dtype).max + 1:
         raise ShardError(f"{where} is malformed (eot_id {d['eot_id']}, vocab_size "
                          f"{d['vocab_size']}, dtype {d.get('dtype')!r}); {fix}")
     kwargs = {k: d[k] for k in names if k in d}
     kwargs["shards"] = shard_infos_from_json(d["shards"], where, fix)
-    try:
-        return Manifest(**kwargs)
-    except DataError as e:  # a vocabulary too large for any token dtype
-        raise ShardError(f"{where} is malformed ({e}); {fix}") from None
+    return Manifest(**kwargs)
 
 
 def load_manifest(data_dir: Path | str) -> Manifest:
     """Read and validate DIR/manifest.json. Missing → DataError telling the user to prepare."""
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST_NAME
-    if not path.is_file():
+    try:
+        text = read_text(path, MAX_MANIFEST_BYTES, what="manifest")
+    except (FileNotFoundError, NotADirectoryError):
         what = "does not exist" if not data_dir.exists() else "has no manifest.json (not prepared, or unfinished)"
         raise DataError(f"dataset directory {data_dir} {what}; run `lmforge prepare --out "
-                        f"{data_dir} ...` first")
+                        f"{data_dir} ...` first") from None
+    except OSError as e:
+        raise ShardError(f"cannot read {path} ({e.strerror}); check its permissions") from None
     try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        d = json.loads(text)
+    except ValueError as e:
         raise ShardError(f"cannot parse {path} ({e}); re-run `lmforge prepare`") from None
     m = manifest_from_json(d, path)
     m.data_dir = data_dir
     return m
 
 
-def check_shard(path: Path, info: ShardInfo, vocab_size: int, checksum: bool = True) -> np.dtype:
-    """Raise ShardError if the shard at `path` does not match its manifest entry; else return
-    its token dtype."""
+def check_shard(path: Path, info: ShardInfo, vocab_size: int, checksum: bool = True,
+                dtype_name: str = "") -> np.dtype:
+    """Raise ShardError if the shard at `path` does not match its manifest entry (and the
+    manifest's token dtype, where given); else return its token dtype."""
     _, dtype, count, vocab = read_header(path)
-    if count != info.tokens or vocab != vocab_size:
-        raise ShardError(f"shard {path} holds {count} tokens / vocab {vocab}, manifest says "
-                         f"{info.tokens} / {vocab_size}; {_fix_hint(path)}")
+    if count != info.tokens or vocab != vocab_size or dtype_name not in ("", dtype.name):
+        raise ShardError(f"shard {path} holds {count} tokens / vocab {vocab} / {dtype.name}, "
+                         f"manifest says {info.tokens} / {vocab_size} / {dtype_name or 'any'}; "
+                         f"{_fix_hint(path)}")
     if checksum and file_sha256(path) != info.sha256:
         raise ShardError(f"shard {path} fails its sha256 checksum (corrupted); {_fix_hint(path)}")
     return dtype
@@ -416,7 +413,7 @@ def verify(data_dir: Path | str) -> None:
     for info in m.shards:
         path = m.data_dir / info.file
         try:
-            dtype = check_shard(path, info, m.vocab_size)
+            dtype = check_shard(path, info, m.vocab_size, dtype_name=m.dtype)
             offsets = read_doc_index(path, info.tokens, info.index_sha256)
             if offsets is not None:
                 check_doc_index(path, offsets, map_tokens(path, dtype, info.tokens), m.eot_id)

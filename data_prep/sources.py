@@ -50,6 +50,7 @@ class Source:
     lines: bool = False
     replaced: int = 0  # U+FFFD characters substituted for invalid UTF-8, over all documents read
     total_docs: int | None = None  # known up front for file-per-document sources
+    exclude: Path | None = None  # prepare's --out: never read as documents, when inside the spec
 
     def __iter__(self) -> Iterator[str]:
         files = self._spec_files()
@@ -62,8 +63,13 @@ class Source:
         if self.spec.startswith("builtin:"):
             raise DataError(f"unknown builtin corpus {self.spec!r}; the only one is builtin:pystdlib")
         if self.spec.startswith("hf:"):
+            name = Path(parse_hf_spec(self.spec)[0])
+            if self.exclude is not None and name.is_dir() and _inside(self.exclude, name):
+                raise DataError(f"--out {self.exclude} lies inside the dataset directory {name}, "
+                                "whose files datasets reads whole (the output's own among them); "
+                                "give an --out outside it")
             return None
-        return local_files(self.spec)
+        return local_files(self.spec, self.exclude)
 
     def fingerprint(self) -> str | None:
         """A digest of the names, sizes and modification times of the files read (for hf:, those
@@ -210,6 +216,15 @@ def _kind(path: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
+def _inside(path: Path, directory: Path | None) -> bool:
+    """Whether `path` is `directory` or lies under it (both resolved: a link or `..` in either
+    does not hide it)."""
+    if directory is None:
+        return False
+    path, directory = path.resolve(), Path(directory).resolve()
+    return path == directory or directory in path.parents
+
+
 def _supported(path: Path) -> bool:
     return _kind(path) in TEXT_EXTS or (path.suffix in TABLE_EXTS)
 
@@ -229,18 +244,21 @@ def pystdlib_files() -> tuple[Path, ...]:
     return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
-def local_files(spec: str) -> list[Path]:
-    """The sorted list of files named by a path, directory or glob (DataError if none)."""
+def local_files(spec: str, exclude: Path | None = None) -> list[Path]:
+    """The sorted list of files named by a path, directory or glob (DataError if none), none
+    of them in `exclude` (prepare's output, read as documents it would change the input)."""
     path = Path(spec)
     if path.is_dir():
-        files = sorted((p for p in path.rglob("*") if p.is_file() and _supported(p)),
+        files = sorted((p for p in path.rglob("*")
+                        if p.is_file() and _supported(p) and not _inside(p, exclude)),
                        key=lambda p: p.relative_to(path).as_posix())
         if not files:
             raise DataError(f"directory {spec} has no .txt/.jsonl/.json/.parquet/.arrow files; "
                             "point --source at the data")
         return files
     if any(c in spec for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True)
+                       if Path(p).is_file() and not _inside(Path(p), exclude))
         if not files:
             raise DataError(f"glob {spec!r} matches no files; check the pattern (quote it)")
     elif path.is_file():

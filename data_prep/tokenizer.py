@@ -16,6 +16,7 @@ import base64
 import binascii
 import hashlib
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,12 +24,27 @@ import numpy as np
 import tiktoken
 
 from data_prep.errors import DataError
-from data_prep.shards import atomic_write_bytes, file_sha256, load_manifest, symlinks_in
+from data_prep.safe_files import (
+    atomic_write_bytes,
+    check_dir,
+    check_tree,
+    file_sha256,
+    read_bytes,
+)
+from data_prep.shards import load_manifest
 
 EOT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
 VOCAB_FILE = "vocab.tiktoken"
 META_FILE = "tokenizer.json"
+MAX_VOCAB_BYTES = 1 << 28  # o200k's file is 3.6 MB; 2**24 ids of ~16 bytes a line fit
+MAX_META_BYTES = 16 << 20  # tokenizer.json and a .tiktoken sidecar: a pattern, special tokens
+REPLACEMENT = "\ufffd".encode()  # the text of an id that has no bytes (a gap between ranks)
+# Text every split pattern is tried on when a tokenizer is built: one that matches the empty
+# string, or backtracks without bound, makes tiktoken's Rust core panic on encoding, and a panic
+# is no Python exception a caller can turn into one error line.
+PROBE_TEXT = ("Hello, World! don't DON'T 12 3456789 x=1; a_b\n\t  \r\n é ü ß Ωμέγα 日本語 🎉 "
+              "<|endoftext|> ." + "a" * 64 + " " * 64 + "1" * 64 + "\n" * 8 + ".,;!?" * 8)
 
 # Split patterns of tiktoken_ext.openai_public, copied because the module only exposes them
 # inside functions that download the vocabulary.
@@ -108,11 +124,20 @@ def next_id(ranks: dict[bytes, int]) -> int:
     return max(ranks.values()) + 1
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_bytes(path: Path, max_bytes: int = MAX_VOCAB_BYTES) -> bytes:
+    """A tokenizer file, opened by the rule of data_prep/safe_files.py (a regular file, not
+    through a link, bounded)."""
     try:
-        return path.read_bytes()
+        return read_bytes(path, max_bytes, what="tokenizer file")
     except OSError as e:
         raise DataError(f"cannot read {path} ({e.strerror}); check the path") from None
+
+
+def _read_json(path: Path, fix: str):
+    try:
+        return json.loads(_read_bytes(path, MAX_META_BYTES))
+    except ValueError as e:
+        raise DataError(f"cannot parse {path} ({e}); {fix}") from None
 
 
 def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
@@ -120,11 +145,8 @@ def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
     name, pattern, special = KNOWN_VOCABS.get(
         len(ranks), (path.stem, CL100K_PATTERN, {EOT: next_id(ranks)}))
     sidecar = path.with_name(path.name + ".json")
-    if sidecar.is_file():
-        try:
-            over = json.loads(sidecar.read_text())
-        except ValueError as e:
-            raise DataError(f"cannot parse {sidecar} ({e}); fix or delete it") from None
+    if os.path.lexists(sidecar):
+        over = _read_json(sidecar, "fix or delete it")
         if not isinstance(over, dict):
             raise DataError(f"{sidecar} is not a JSON object; write {{\"name\": ..., "
                             "\"pattern\": ..., \"special_tokens\": {...}} or delete it")
@@ -139,16 +161,55 @@ def _encoding(name: str, pattern: str, ranks: dict[bytes, int],
     if not isinstance(special, dict) or EOT not in special:
         raise DataError(f"tokenizer {name!r} has no {EOT} special token; add it to the "
                         "special_tokens of its sidecar/tokenizer.json")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in special.values()):
+        raise DataError(f"tokenizer {name!r}: its special token ids are not all integers >= 0; "
+                        "fix the special_tokens of its sidecar/tokenizer.json")
     ids = set(ranks.values())
-    if clash := sorted(str(t) for t, i in special.items() if isinstance(i, int) and i in ids):
+    if clash := sorted(str(t) for t, i in special.items() if i in ids):
         raise DataError(f"tokenizer {name!r}: special token {clash[0]} has the id of a "
                         "mergeable token; give special tokens ids past the ranks")
+    check_id_range(name, ids | set(special.values()))
     try:
-        return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
-                                 special_tokens=special)
+        enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
+                                special_tokens=special)
     except Exception as e:  # tiktoken's Rust core raises on bad patterns or clashing ids
         raise DataError(f"tokenizer {name!r} is inconsistent ({e}); check its pattern and "
                         "special token ids") from None
+    _probe_pattern(enc)
+    return enc
+
+
+def check_id_range(name: str, ids: set[int]) -> None:
+    """The ids run from 0 to n_vocab - 1 with at most as many unused ids as used ones: n_vocab
+    sizes the model's embedding and every per-id table, so one id of 2**32 in a 5 KB file
+    would make them 16 GiB. (cl100k leaves 16 of 100,277 unused.)"""
+    top = max(ids)
+    if min(ids) < 0 or top + 1 > 2 * len(ids):
+        raise DataError(f"tokenizer {name!r} gives ids up to {top:,} but has only {len(ids):,} "
+                        "tokens: most of its vocabulary would be unused ids, sizing the model by "
+                        "a figure the file does not hold; number its tokens from 0 without gaps")
+
+
+def _probe_pattern(enc: tiktoken.Encoding) -> None:
+    """Encode PROBE_TEXT with stderr closed to the Rust panic's message; a panic is refused."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    failure = None
+    try:
+        os.dup2(null, 2)
+        enc.encode_ordinary(PROBE_TEXT)
+    except BaseException as e:  # pyo3's PanicException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        failure = e
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+    if failure is not None:
+        first = (str(failure).splitlines() or [""])[0][:120]
+        raise DataError(f"tokenizer {enc.name!r}: its split pattern fails on plain text "
+                        f"({type(failure).__name__}: {first}); a pattern must never match the "
+                        "empty string nor backtrack without bound: fix its pattern") from None
 
 
 def eot_id(enc: tiktoken.Encoding) -> int:
@@ -162,21 +223,35 @@ def eot_id(enc: tiktoken.Encoding) -> int:
 def encode_prompt(enc: tiktoken.Encoding, text: str) -> list[int]:
     """`text` as the beginning of a document: every document in the shards starts with
     end-of-text, so a prompt does too (what the trainer's samples and `lmforge sample` feed)."""
-    return [eot_id(enc), *enc.encode_ordinary(text)]
+    try:
+        return [eot_id(enc), *enc.encode_ordinary(text)]
+    except BaseException as e:  # a panic PROBE_TEXT did not provoke
+        if isinstance(e, (Exception, KeyboardInterrupt, SystemExit)):
+            raise
+        raise DataError(f"tokenizer {enc.name!r} failed on this prompt ({e}); its split pattern "
+                        "is broken: use another tokenizer") from None
+
+
+def token_bytes(enc: tiktoken.Encoding, token: int) -> bytes:
+    """The bytes of one id; U+FFFD for an id no token has (cl100k leaves gaps below its special
+    tokens). The model has a row for every id below n_vocab, so a sampler may draw one: it is
+    shown as unreadable text, as bytes that are not UTF-8 are, rather than hidden by a sampler
+    that would have to know the tokenizer."""
+    try:
+        return enc.decode_single_token_bytes(token)
+    except KeyError:
+        return REPLACEMENT
+
+
+def decode(enc: tiktoken.Encoding, ids: list[int]) -> str:
+    """The text of `ids`, invalid UTF-8 and ids without bytes as U+FFFD (see token_bytes)."""
+    return b"".join(token_bytes(enc, t) for t in ids).decode("utf-8", errors="replace")
 
 
 def mergeable_ranks(enc: tiktoken.Encoding) -> dict[bytes, int]:
-    """The byte-level ranks of `enc` (every id that is not a special token and not a gap)."""
-    special = set(enc._special_tokens.values())
-    ranks = {}
-    for i in range(enc.n_vocab):
-        if i in special:
-            continue
-        try:
-            ranks[enc.decode_single_token_bytes(i)] = i
-        except KeyError:  # cl100k has unused ids between its ranks and special tokens
-            pass
-    return ranks
+    """The byte-level ranks of `enc` (every id that is not a special token and not a gap), read
+    from the Encoding's own table: never by looping over n_vocab."""
+    return dict(enc._mergeable_ranks)
 
 
 def token_byte_lengths(enc: tiktoken.Encoding) -> np.ndarray:
@@ -194,6 +269,7 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
     `kind` says where it came from: "tiktoken" (a name), "file" (a .tiktoken path) or "bpe"."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    check_dir(directory, what="tokenizer directory")  # a link to one elsewhere is not written
     # tiktoken's own dump_tiktoken_bpe needs blobfile; the format is one "base64 rank" per line.
     ranks = sorted(mergeable_ranks(enc).items(), key=lambda kv: kv[1])
     lines = (f"{base64.b64encode(tok).decode()} {rank}\n".encode() for tok, rank in ranks)
@@ -217,16 +293,15 @@ def _read_verified(directory: Path) -> tuple[dict, bytes]:
     """(tokenizer.json, the vocabulary's bytes): the bytes returned are the bytes hashed, so
     nothing can swap the file between the check and the parse."""
     meta_path, vocab_path = directory / META_FILE, directory / VOCAB_FILE
-    if links := symlinks_in(directory):  # every checkpoint copies this directory: refuse early
-        raise DataError(f"{links[0]} is a symbolic link; a tokenizer directory holds regular files "
-                        "only (replace the link with the file it points to)")
-    if not meta_path.is_file() or not vocab_path.is_file():
+    try:  # every checkpoint copies this directory: a link or special file in it is refused
+        check_tree(directory, what="tokenizer directory")
+    except FileNotFoundError:
+        raise DataError(f"tokenizer directory {directory} does not exist; point at OUT/tokenizer "
+                        "of a prepared dataset") from None
+    if not os.path.lexists(meta_path) or not os.path.lexists(vocab_path):
         raise DataError(f"{directory} is not a tokenizer directory (needs {META_FILE} and "
                         f"{VOCAB_FILE}); point at OUT/tokenizer of a prepared dataset")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except ValueError as e:
-        raise DataError(f"cannot parse {meta_path} ({e}); re-run `lmforge prepare`") from None
+    meta = _read_json(meta_path, "re-run `lmforge prepare`")
     vocab = _read_bytes(vocab_path)
     if not isinstance(meta, dict) or hashlib.sha256(vocab).hexdigest() != meta.get("sha256"):
         raise DataError(f"{vocab_path} does not match the sha256 in {META_FILE} (modified or "
@@ -250,16 +325,30 @@ def load_tokenizer_dir(directory: Path | str) -> tiktoken.Encoding:
     return enc
 
 
-def dataset_tokenizer(data_dir: Path | str) -> tiktoken.Encoding:
-    """DIR/tokenizer of a prepared dataset, checked to be the vocabulary its manifest names: one
-    copied over it would decode, and bound the model's ids, by another vocabulary."""
-    tok_dir = Path(data_dir) / "tokenizer"
-    recorded, found = load_manifest(data_dir).tokenizer.get("sha256"), read_tokenizer_meta(tok_dir)["sha256"]
+def dataset_tokenizer_meta(data_dir: Path | str) -> dict:
+    """tokenizer.json of DIR/tokenizer (its vocabulary's sha256 checked), held against DIR's
+    manifest: the sha256 it records (none in data prepared before it was recorded: then the
+    directory's own), its vocab_size and eot_id. One copied over it would decode, and bound the
+    model's ids, by another vocabulary; one of more ids would size the model by them."""
+    m, tok_dir = load_manifest(data_dir), Path(data_dir) / "tokenizer"
+    meta = read_tokenizer_meta(tok_dir)
+    recorded, found = m.tokenizer.get("sha256"), meta["sha256"]
     if recorded not in (None, found):
         raise DataError(f"{tok_dir} is not the tokenizer {data_dir} was prepared with (sha256 "
                         f"{found[:12]}, its manifest says {recorded[:12]}); copy the dataset "
                         "again, or prepare it again")
-    return load_tokenizer_dir(tok_dir)
+    if (meta.get("n_vocab"), meta.get("eot_id")) != (m.vocab_size, m.eot_id):
+        raise DataError(f"{tok_dir} has {meta.get('n_vocab')!r} ids (end-of-text "
+                        f"{meta.get('eot_id')!r}), {data_dir}'s manifest {m.vocab_size} "
+                        f"({m.eot_id}): they are not one dataset; copy the dataset again, or "
+                        "prepare it again")
+    return meta
+
+
+def dataset_tokenizer(data_dir: Path | str) -> tiktoken.Encoding:
+    """DIR/tokenizer of a prepared dataset, held against its manifest (dataset_tokenizer_meta)."""
+    dataset_tokenizer_meta(data_dir)
+    return load_tokenizer_dir(Path(data_dir) / "tokenizer")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, name: str | None = None) -> tiktoken.Encoding:

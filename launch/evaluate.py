@@ -21,8 +21,14 @@ from pathlib import Path
 import torch
 
 from data_prep.errors import DataError
-from data_prep.shards import SPLITS, check_dir_path, load_manifest
-from data_prep.tokenizer import load_tokenizer_dir, read_tokenizer_meta, token_byte_lengths
+from data_prep.safe_files import atomic_write_bytes, check_writable
+from data_prep.shards import SPLITS, check_dir_path
+from data_prep.tokenizer import (
+    dataset_tokenizer_meta,
+    load_tokenizer_dir,
+    read_tokenizer_meta,
+    token_byte_lengths,
+)
 from launch.cli import ArgumentParser
 from pipeline import attention
 from pipeline.config import ConfigError
@@ -66,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_same_tokenizer(data_dir: Path, tokenizer_dir: Path) -> None:
-    """Token ids mean nothing under another vocabulary: refuse before computing a bogus loss."""
-    data_tok = load_manifest(data_dir).tokenizer
+    """Token ids mean nothing under another vocabulary: refuse before computing a bogus loss.
+    The data's tokenizer is its manifest's, as training reads it (dataset_tokenizer_meta)."""
+    data_tok = dataset_tokenizer_meta(data_dir)
     ckpt_tok = read_tokenizer_meta(tokenizer_dir)
     if data_tok["sha256"] != ckpt_tok["sha256"]:
         raise DataError(
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         check_dir_path(args.json.parent, "--json")
         if args.json.is_dir():
             raise ConfigError(f"--json {args.json} is a directory; give a file path")
+        check_writable(args.json.parent, what="--json")
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
         result, seq_len, dtype = evaluate_checkpoint(
@@ -157,9 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         record = asdict(result) | {"checkpoint": str(ckpt.path), "step": ckpt.step,
                                    "data": str(args.data), "split": args.split,
                                    "seq_len": seq_len, "dtype": dtype_name(dtype)}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(args.json, record)
     return 0
+
+
+def write_json(path: Path, record: dict) -> None:
+    """`record` to `path` whole or not at all (a temp file renamed over it: a link or hard link
+    at `path` is replaced, never written through)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, [(json.dumps(record, indent=2) + "\n").encode()], what="--json")
+    except OSError as e:
+        raise DataError(f"cannot write --json {path} ({e.strerror}); the results are printed "
+                        "above: give a writable path to keep them as JSON") from None
 
 
 if __name__ == "__main__":  # torchrun -m launch.evaluate ...

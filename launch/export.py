@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from data_prep.errors import is_disk_full
+from data_prep.safe_files import check_writable
 from data_prep.shards import check_dir_path, copy_plain_tree
 from data_prep.tokenizer import EOT, VOCAB_FILE, eot_id, load_tokenizer_dir, read_tokenizer_meta
 from launch.cli import ArgumentParser
@@ -101,6 +102,7 @@ def save_hf_tokenizer(tokenizer_dir: Path, out: Path, context: int) -> None:
 def export(ckpt_path: str | Path, out: Path) -> Path:
     out = Path(os.path.abspath(out))  # "." and "a/.." by their own names
     check_replaceable(out)
+    check_writable(out.parent, what="--hf")  # the export is written beside OUT, then renamed
     ckpt = load_for_inference(ckpt_path, "cpu")
     try:  # a model Llama or Qwen3 cannot hold is refused before anything is written
         hf_config_dict(ckpt.config)
@@ -117,11 +119,14 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
             shutil.rmtree(out)
         tmp.rename(out)
     except Exception as e:  # safetensors reports ENOSPC as its own SafetensorError
-        if not is_disk_full(e):
-            raise
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # first: the free space said is then true
-        raise disk_full(out, ckpt) from None
+        if is_disk_full(e):
+            raise disk_full(out, ckpt) from None
+        if isinstance(e, OSError):  # unwritable since the check, or a read-only mount
+            raise ConfigError(f"cannot write the export {out} ({e.strerror}); nothing was "
+                              "replaced: give --hf in a writable directory") from None
+        raise
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

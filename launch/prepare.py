@@ -17,7 +17,7 @@ from data_prep.errors import DataError
 from data_prep.merge import merge
 from data_prep.prepare import DEFAULT_VAL_FRACTION, VAL_FLOOR_TOKENS, PrepareConfig, prepare
 from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
-from data_prep.tokenizer import dataset_tokenizer
+from data_prep.tokenizer import dataset_tokenizer, decode
 from launch.cli import ArgumentParser
 from pipeline.data.config import DataConfig
 from pipeline.typed_config import add_flags, from_flags, number
@@ -80,10 +80,11 @@ def val_lines(m: Manifest) -> list[str]:
     holds fewer than VAL_FLOOR_TOKENS tokens (nothing for a split the user turned off)."""
     lines, n = [], m.num_tokens("val")
     if m.stats.get("val_floor"):
-        lines.append(f"val floor the {DEFAULT_VAL_FRACTION:.0%} hash rule held fewer than "
-                     f"{VAL_FLOOR_TOKENS:,} val tokens: val takes the documents with the smallest "
-                     f"hashes up to {VAL_FLOOR_TOKENS:,} tokens (at most half the documents)")
-    if n < VAL_FLOOR_TOKENS and m.stats.get("val_threshold"):
+        lines.append(f"val floor the {DEFAULT_VAL_FRACTION:.0%} hash rule gave val fewer than "
+                     f"{VAL_FLOOR_TOKENS:,} tokens or more than half the documents: val takes the "
+                     f"documents with the smallest hashes up to {VAL_FLOOR_TOKENS:,} tokens, at "
+                     "most half the documents (copies of one counted each)")
+    if n < VAL_FLOOR_TOKENS and (m.stats.get("val_threshold") or m.stats.get("val_floor")):
         can = f"data.seq_len <= {n - 1:,} only" if n > 1 else "no data.seq_len"
         lines.append(f"note      val holds {n:,} tokens, fewer than {VAL_FLOOR_TOKENS:,} "
                      f"(2 x 1024 + 1): it can evaluate {can} (the gpt2_124m preset uses 1024); "
@@ -128,7 +129,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     enc = dataset_tokenizer(m.data_dir)
     span = [int(t) for t in tokens[start:start + args.tokens]]
     print(f"--- {path.name} tokens [{start}, {start + len(span)}) ---")
-    print(enc.decode(span, errors="replace"))
+    print(decode(enc, span))
     return 0
 
 
@@ -166,5 +167,5 @@ def show_rows(args: argparse.Namespace) -> int:
         # "<|endoftext|>" (encoded as ordinary tokens) is not a boundary.
         cuts = [0, *eots, len(ids)]
         pieces = [ids[a + (a in eots):b] for a, b in itertools.pairwise(cuts)]
-        print("\n<|doc|>".join(enc.decode(piece, errors="replace") for piece in pieces))
+        print("\n<|doc|>".join(decode(enc, piece) for piece in pieces))
     return 0

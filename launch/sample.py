@@ -21,7 +21,7 @@ from typing import TextIO
 
 import tiktoken
 
-from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir
+from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_bytes
 from launch.cli import ArgumentParser
 from model import NonFiniteLogits, SamplingError, SamplingParams, stream
 from model.generate import MIN_TEMPERATURE
@@ -98,7 +98,7 @@ def decode_stream(enc: tiktoken.Encoding, tokens: Iterable[int]) -> Iterator[str
     # its leading bytes until it is complete instead of printing U+FFFD halves.
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for token in tokens:
-        yield utf8.decode(enc.decode_single_token_bytes(token))
+        yield utf8.decode(token_bytes(enc, token))
     yield utf8.decode(b"", final=True)
 
 

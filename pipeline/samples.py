@@ -6,7 +6,7 @@ from __future__ import annotations
 import tiktoken
 from torch import nn
 
-from data_prep.tokenizer import encode_prompt, eot_id
+from data_prep.tokenizer import decode, encode_prompt, eot_id
 from model import GPT, ModelConfig, generate
 from pipeline.checkpoint.format import full_model_state
 from pipeline.config import ConfigError, SampleConfig
@@ -44,4 +44,4 @@ class Samples:
                                                       self.model_cfg.max_seq_len)
         with self.precision.autocast(self.copy):
             outs = generate(self.copy, self.prompts, sampling, stop_token=eot_id(self.enc))
-        return [p + self.enc.decode(o) for p, o in zip(self.sc.prompts, outs, strict=True)]
+        return [p + decode(self.enc, o) for p, o in zip(self.sc.prompts, outs, strict=True)]

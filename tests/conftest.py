@@ -1,8 +1,11 @@
-"""Shared fixtures: the GPT-2 vocabulary from ../shared and one tiny prepared dataset per session."""
+"""Shared fixtures: a BPE vocabulary file trained by the project's own trainer and one tiny
+prepared dataset per session (nothing outside the repository is needed: a fresh clone passes)."""
 
 from __future__ import annotations
 
+import base64
 import fcntl
+import itertools
 import os
 import shutil
 from collections.abc import Callable
@@ -11,19 +14,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT2_TIKTOKEN = ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
+VOCAB_IDS = 1024  # the test vocabulary's ranks, <|endoftext|> then = VOCAB_IDS (inferred)
 
 # Never let a test reach wandb's servers or wait on a login prompt.
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-
-@pytest.fixture(scope="session")
-def gpt2_tiktoken() -> Path:
-    if not GPT2_TIKTOKEN.is_file():
-        pytest.skip(f"GPT-2 vocabulary not found at {GPT2_TIKTOKEN} (../shared beside the checkout)")
-    return GPT2_TIKTOKEN
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
@@ -45,6 +41,24 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
             build(path)
             done.touch()
     return path
+
+
+def _train_vocab(root: Path) -> None:
+    from data_prep.sources import Source
+    from data_prep.tokenizer import mergeable_ranks, train_bpe
+
+    docs = itertools.islice((t for t in Source("builtin:pystdlib") if t), 300)
+    ranks = sorted(mergeable_ranks(train_bpe(docs, VOCAB_IDS + 1)).items(), key=lambda kv: kv[1])
+    assert len(ranks) == VOCAB_IDS, "the sample ran out of pairs to merge"
+    (root / "bpe1024.tiktoken").write_text(
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks))
+
+
+@pytest.fixture(scope="session")
+def vocab_tiktoken(tmp_path_factory) -> Path:
+    """A .tiktoken file of VOCAB_IDS byte-level BPE ranks (the standard library's text), in the
+    format of gpt2.tiktoken: what a test of a `--tokenizer FILE` needs, built by the tests."""
+    return built_once(tmp_path_factory, "vocab", _train_vocab) / "bpe1024.tiktoken"
 
 
 def _prepare_tiny(root: Path) -> None:

@@ -17,10 +17,9 @@ import pytest
 from data_prep import shards as S
 from data_prep.tokenizer import EOT, load_tokenizer, load_tokenizer_dir, token_byte_lengths
 from launch.prepare import main
+from tests.conftest import VOCAB_IDS
 from tests.errors import proc_error
 
-GPT2 = Path(__file__).resolve().parents[2] / "shared/tokenizers/gpt2.tiktoken"
-needs_gpt2 = pytest.mark.skipif(not GPT2.is_file(), reason=f"GPT-2 vocabulary not found at {GPT2}")
 ENV = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -74,14 +73,14 @@ def varied_texts(n: int) -> list[str]:
             for i in range(n)]
 
 
-@needs_gpt2
-def test_round_trip_gpt2_several_shards(tmp_path):
+def test_round_trip_tiktoken_file_several_shards(vocab_tiktoken, tmp_path):
     texts = varied_texts(300)
     src = write_jsonl(tmp_path / "c.jsonl", texts)
-    m = prep(tmp_path / "out", "--source", str(src), "--tokenizer", str(GPT2),
+    m = prep(tmp_path / "out", "--source", str(src), "--tokenizer", str(vocab_tiktoken),
              "--shard-tokens", "2000", "--val-fraction", "0.2")
     assert len(m.shard_paths("train")) > 3 and m.num_documents("val") > 10
-    assert m.vocab_size == 50257 and m.eot_id == 50256 and m.dtype == "uint16"
+    # A file of N ranks and no sidecar: <|endoftext|> = N, after them.
+    assert m.vocab_size == VOCAB_IDS + 1 and m.eot_id == VOCAB_IDS and m.dtype == "uint16"
     assert_round_trip(m, texts)
     lengths = token_byte_lengths(load_tokenizer_dir(tmp_path / "out/tokenizer"))
     assert lengths[m.eot_id] == 0 and lengths.shape == (m.vocab_size,)
@@ -106,18 +105,16 @@ def same_files(a: Path, b: Path) -> None:
         assert (a / n).read_bytes() == (b / n).read_bytes(), n
 
 
-@needs_gpt2
-def test_workers_do_not_change_bytes(tmp_path):
-    common = ["--tokenizer", str(GPT2), "--max-docs", "250", "--shard-tokens", "100000",
+def test_workers_do_not_change_bytes(vocab_tiktoken, tmp_path):
+    common = ["--tokenizer", str(vocab_tiktoken), "--max-docs", "250", "--shard-tokens", "100000",
               "--val-fraction", "0.05"]
     prep(tmp_path / "w1", *common, "--workers", "1")
     prep(tmp_path / "w2", *common, "--workers", "2")
     same_files(tmp_path / "w1", tmp_path / "w2")
 
 
-@needs_gpt2
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
-    common = ["--tokenizer", str(GPT2), "--max-docs", "900", "--shard-tokens", "20000",
+def test_sigkill_then_resume_matches_uninterrupted(vocab_tiktoken, tmp_path):
+    common = ["--tokenizer", str(vocab_tiktoken), "--max-docs", "900", "--shard-tokens", "20000",
               "--workers", "1", "--quiet"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert run_cli("--out", str(ref), *common).returncode == 0
@@ -140,10 +137,9 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert mtimes == {p: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
 
 
-@needs_gpt2
-def test_corrupted_shard_caught(tmp_path):
+def test_corrupted_shard_caught(vocab_tiktoken, tmp_path):
     out = tmp_path / "out"
-    m = prep(out, "--tokenizer", str(GPT2), "--max-docs", "40", "--shard-tokens", "50000")
+    m = prep(out, "--tokenizer", str(vocab_tiktoken), "--max-docs", "40", "--shard-tokens", "50000")
     path = m.shard_paths("train")[1]
     data = bytearray(path.read_bytes())
     data[S.HEADER_BYTES + 100] ^= 0xFF  # payload byte: only the checksum can see it
@@ -198,32 +194,29 @@ def test_big_vocab_uses_uint32(tmp_path):
     assert m.dtype == "uint32" and S.open_shard(m.shard_paths("train")[0]).dtype == np.uint32
 
 
-@needs_gpt2
-def test_other_arguments_on_prepared_dir_refused(tmp_path):
+def test_other_arguments_on_prepared_dir_refused(vocab_tiktoken, tmp_path):
     out = tmp_path / "out"
-    prep(out, "--tokenizer", str(GPT2), "--max-docs", "20")
+    prep(out, "--tokenizer", str(vocab_tiktoken), "--max-docs", "20")
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    r = run_cli("--tokenizer", str(GPT2), "--max-docs", "21", "--out", str(out))
+    r = run_cli("--tokenizer", str(vocab_tiktoken), "--max-docs", "21", "--out", str(out))
     proc_error(r, "max_docs")
     assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
 
-@needs_gpt2
-def test_invalid_utf8_replaced_and_counted(tmp_path):
+def test_invalid_utf8_replaced_and_counted(vocab_tiktoken, tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src/a.txt").write_bytes(b"good \xff\xfe bytes")
     (tmp_path / "src/b.txt").write_bytes("fine \ufffd already".encode())
-    m = prep(tmp_path / "out", "--source", str(tmp_path / "src"), "--tokenizer", str(GPT2),
+    m = prep(tmp_path / "out", "--source", str(tmp_path / "src"), "--tokenizer", str(vocab_tiktoken),
              "--val-fraction", "0")
     assert m.stats["replaced_chars"] == 2
     assert_round_trip(m, ["good \ufffd\ufffd bytes", "fine \ufffd already"])
 
 
-@needs_gpt2
-def test_parts_merge_to_whole(tmp_path):
+def test_parts_merge_to_whole(vocab_tiktoken, tmp_path):
     texts = varied_texts(120)
     src = str(write_jsonl(tmp_path / "c.jsonl", texts))
-    common = ["--source", src, "--tokenizer", str(GPT2), "--shard-tokens", "1500",
+    common = ["--source", src, "--tokenizer", str(vocab_tiktoken), "--shard-tokens", "1500",
               "--val-fraction", "0.1"]
     whole = prep(tmp_path / "whole", *common)
     for i in (1, 2, 3):
@@ -242,9 +235,8 @@ def test_parts_merge_to_whole(tmp_path):
     proc_error(r, "exactly once")
 
 
-@needs_gpt2
 @pytest.mark.parametrize("kind", ["parquet", "arrow", "arrow-file", "hf", "lines", "jsonl.gz", "json"])
-def test_sources(tmp_path, kind):
+def test_sources(vocab_tiktoken, tmp_path, kind):
     import gzip
 
     import pyarrow as pa
@@ -276,14 +268,13 @@ def test_sources(tmp_path, kind):
         with gzip.open(src, "wt") as f:
             f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     extra = ["--lines"] if kind == "lines" else []
-    m = prep(tmp_path / "out", "--source", str(src), "--tokenizer", str(GPT2), *extra)
+    m = prep(tmp_path / "out", "--source", str(src), "--tokenizer", str(vocab_tiktoken), *extra)
     assert_round_trip(m, texts)
 
 
-@needs_gpt2
-def test_inspect_and_missing_manifest(tmp_path):
-    prep(tmp_path / "out", "--tokenizer", str(GPT2), "--max-docs", "5")
+def test_inspect_and_missing_manifest(vocab_tiktoken, tmp_path):
+    prep(tmp_path / "out", "--tokenizer", str(vocab_tiktoken), "--max-docs", "5")
     r = run_cli(str(tmp_path / "out"), "--tokens", "50", "--seed", "0", command="inspect")
-    assert r.returncode == 0 and "tokenizer gpt2" in r.stdout and "tokens [" in r.stdout
+    assert r.returncode == 0 and "tokenizer bpe1024 (file)" in r.stdout and "tokens [" in r.stdout
     r = run_cli(str(tmp_path / "missing"), command="inspect")
     proc_error(r, "lmforge prepare")

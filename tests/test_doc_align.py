@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import GPT2_VOCAB
 from bench.runs import ROOT, TINY_ARGS, env
 from data_prep.shards import (
     FORMAT_VERSION,
@@ -179,7 +178,7 @@ def test_bad_mixtures_are_one_line_exit_2(tiny_data, tmp_path, extra, message):
     assert not (run_dir / "checkpoints").exists()
 
 
-def test_prepare_and_inspect_start_without_torch(tmp_path):
+def test_prepare_and_inspect_start_without_torch(tmp_path, vocab_tiktoken):
     """`lmforge prepare`, through the CLI's entry point and its error handling, never imports
     torch (seconds of start-up, bench/prepare_bench.py's fixed cost); inspect --rows imports the
     trainer's loader only when asked, with its default seed."""
@@ -190,6 +189,6 @@ def test_prepare_and_inspect_start_without_torch(tmp_path):
     code = ("import sys; from launch.cli import main; "
             "rc = main(['prepare', '--out', sys.argv[1], '--tokenizer', sys.argv[2], "
             "'--max-docs', '2', '--quiet']); print(rc, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d"), str(GPT2_VOCAB)],
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d"), str(vocab_tiktoken)],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.split()[-2:] == ["0", "False"], out.stderr

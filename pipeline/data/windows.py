@@ -32,7 +32,7 @@ class TokenWindows:
         self.paths = [manifest.data_dir / s.file for s in infos]
         self.index_sha256s = [s.index_sha256 for s in infos]  # "" where not recorded
         # Kept so that a read maps a shard without reading its header again.
-        self.dtypes = [check_shard(path, info, manifest.vocab_size, checksum=False)
+        self.dtypes = [check_shard(path, info, manifest.vocab_size, False, manifest.dtype)
                        for path, info in zip(self.paths, infos, strict=True)]
         self.vocab_size, self.eot_id = manifest.vocab_size, manifest.eot_id
         self.split, self.seq_len = split, seq_len
