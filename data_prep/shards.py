@@ -38,7 +38,8 @@ manifest.json, written last (its presence means the dataset is complete):
 `{"version", "vocab_size", "eot_id", "dtype", "tokenizer": {kind, name, vocab_size, eot_id,
 sha256, pattern}, "source", "args", "stats", "shards": [{file, split, tokens, documents,
 sha256, index_sha256 (optional)}], "totals": {split: {"tokens", "documents", "shards"}}}` where a shard's sha256 is over
-the whole file, header included.
+the whole file, header included, a shard's file is named SPLIT_NNNNNN.bin, and "stats" holds only
+_STATS_TYPES's keys. Every file here is opened by data_prep/safe_files.py's rule.
 """
 
 from __future__ import annotations
