@@ -248,6 +248,9 @@ def local_files(spec: str, exclude: Path | None = None) -> list[Path]:
     """The sorted list of files named by a path, directory or glob (DataError if none), none
     of them in `exclude` (prepare's output, read as documents it would change the input)."""
     path = Path(spec)
+    if _inside(path, exclude):
+        raise DataError(f"--source {spec} lies inside --out {exclude}, whose files prepare "
+                        "writes; give a --source outside it")
     if path.is_dir():
         files = sorted((p for p in path.rglob("*")
                         if p.is_file() and _supported(p) and not _inside(p, exclude)),

@@ -75,7 +75,7 @@ def load_tokenizer(spec: str) -> tiktoken.Encoding:
     path = Path(spec)
     if path.is_dir():
         return load_tokenizer_dir(path)
-    if path.is_file():
+    if os.path.lexists(path):  # a link or special file is refused by the reader, by its kind
         return _from_tiktoken_file(path)
     if spec in NAMED:
         try:
