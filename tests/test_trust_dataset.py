@@ -382,3 +382,17 @@ def test_eval_json_replaces_a_link_instead_of_writing_through_it(holed, tmp_path
     assert main(["eval", "--ckpt", str(ckpt), "--data", str(data), "--json", str(out)]) == 0
     assert victim.read_text() == "precious" and not out.is_symlink()
     assert json.loads(out.read_text())["tokens"] > 0
+
+
+def test_prepare_names_a_special_tokenizer_file_and_a_source_inside_out(tmp_path, capsys):
+    from tests.errors import cli_error
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("text")
+    os.mkfifo(tmp_path / "fifo.tiktoken")
+    cli_error(capsys, ["prepare", "--source", str(tmp_path / "src"), "--tokenizer",
+                       str(tmp_path / "fifo.tiktoken"), "--out", str(tmp_path / "o"), "--quiet"],
+              "fifo.tiktoken is a FIFO")
+    cli_error(capsys, ["prepare", "--source", str(tmp_path / "src"), "--tokenizer",
+                       str(byte_vocab(tmp_path / "b.tiktoken")), "--out", str(tmp_path), "--quiet"],
+              "lies inside --out")
