@@ -131,8 +131,8 @@ def check_tree(directory: str | Path, *, what: str = "directory") -> None:
         for name in (*dirs, *files):
             mode = os.lstat(Path(root, name)).st_mode
             if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-                raise UnsafeFile(f"{what} {directory} holds {Path(root, name)}, which is "
-                                 f"{kind_of(mode)}; lmforge takes only regular files and "
+                raise UnsafeFile(f"{Path(root, name)} is {kind_of(mode)}, in {what} "
+                                 f"{directory}; lmforge takes only regular files and "
                                  "directories there (remove it or replace it with the file)")
 
 
