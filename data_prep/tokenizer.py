@@ -6,7 +6,8 @@ Specs accepted by `load_tokenizer`:
   special tokens are inferred for the known OpenAI vocabulary sizes; otherwise the GPT-4
   (cl100k) pattern with `<|endoftext|>` = len(ranks). A sidecar `FILE.tiktoken.json` with any of
   `name`, `pattern`, `special_tokens` overrides the inference;
-- a tokenizer directory written by `save_tokenizer_dir` (what prepare leaves in OUT/tokenizer/).
+- a tokenizer directory written by `save_tokenizer_dir` (what prepare leaves in OUT/tokenizer/);
+- `hf:DIR`, a Hugging Face byte-level BPE tokenizer.json converted exactly (data_prep/hf_tokenizer.py).
 `bpe:N` (train a vocabulary of N ids on the corpus) is handled by `train_bpe`, called by prepare.
 """
 
@@ -16,6 +17,7 @@ import base64
 import binascii
 import hashlib
 import json
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from data_prep.shards import atomic_write_bytes, file_sha256, load_manifest, sym
 
 EOT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
+HF_PREFIX = "hf:"
 VOCAB_FILE = "vocab.tiktoken"
 META_FILE = "tokenizer.json"
 
@@ -54,8 +57,34 @@ KNOWN_VOCABS: dict[int, tuple[str, str, dict[str, int]]] = {
 }
 
 
-def load_tokenizer(spec: str) -> tiktoken.Encoding:
-    """A tiktoken Encoding from a name, a `.tiktoken` path or a tokenizer directory."""
+class Encoding(tiktoken.Encoding):
+    """tiktoken's Encoding, plus what opens every document in the shards (the end-of-text token,
+    then the tokenizer's own BOS where it adds one, as Llama 3's does) and the Unicode
+    normalisation a tokenizer applies before splitting (Qwen's NFC)."""
+
+    def __init__(self, name: str, pat_str: str, mergeable_ranks: dict[bytes, int],
+                 special_tokens: dict[str, int], eot: str = EOT, bos: str | None = None,
+                 normalizer: str | None = None):
+        super().__init__(name=name, pat_str=pat_str, mergeable_ranks=mergeable_ranks,
+                         special_tokens=special_tokens)
+        self.eot_name, self.bos_name, self.normalizer = eot, bos, normalizer
+
+    def _normal(self, text: str) -> str:
+        return unicodedata.normalize(self.normalizer, text) if self.normalizer else text
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return super().encode_ordinary(self._normal(text))
+
+    def encode_to_numpy(self, text: str, **kwargs) -> np.ndarray:
+        return super().encode_to_numpy(self._normal(text), **kwargs)
+
+
+def load_tokenizer(spec: str) -> Encoding:
+    """An Encoding from a name, a `.tiktoken` path, a tokenizer directory or `hf:DIR`."""
+    if spec.startswith(HF_PREFIX):
+        from data_prep.hf_tokenizer import load_hf_tokenizer  # reads tokenizer.json: only here
+
+        return load_hf_tokenizer(Path(spec.removeprefix(HF_PREFIX)))
     path = Path(spec)
     if path.is_dir():
         return load_tokenizer_dir(path)
@@ -63,7 +92,8 @@ def load_tokenizer(spec: str) -> tiktoken.Encoding:
         return _from_tiktoken_file(path)
     if spec in NAMED:
         try:
-            return tiktoken.get_encoding(spec)
+            e = tiktoken.get_encoding(spec)
+            return Encoding(e.name, e._pat_str, e._mergeable_ranks, e._special_tokens)
         except Exception as e:  # tiktoken raises assorted network errors when offline
             raise DataError(f"cannot load tiktoken encoding {spec!r} ({type(e).__name__}); "
                             "give a path to its .tiktoken file instead (no network here?)") from None
@@ -71,7 +101,7 @@ def load_tokenizer(spec: str) -> tiktoken.Encoding:
         raise DataError(f"tokenizer {spec!r} is trained by `lmforge prepare`; pass the prepared "
                         "OUT/tokenizer directory to reuse it")
     raise DataError(f"unknown tokenizer {spec!r}; use one of {', '.join(NAMED)}, a .tiktoken "
-                    "file, a tokenizer directory, or bpe:N")
+                    "file, a tokenizer directory, hf:DIR (a Hugging Face model directory), or bpe:N")
 
 
 def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
@@ -89,6 +119,11 @@ def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
         except (ValueError, binascii.Error) as e:
             raise DataError(f"{path} is not a .tiktoken vocabulary (line {n}: {e}); give a "
                             "tiktoken base64-ranks file") from None
+    return check_ranks(ranks, path)
+
+
+def check_ranks(ranks: dict[bytes, int], path: Path) -> dict[bytes, int]:
+    """`ranks`, refused unless tiktoken can encode every text with them."""
     if not ranks:
         raise DataError(f"{path} holds no tokens; give a non-empty .tiktoken file")
     # Checked here because tiktoken's Rust core panics (an exception `except Exception` misses)
@@ -131,38 +166,52 @@ def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
         name = over.get("name", name)
         pattern = over.get("pattern", pattern)
         special = over.get("special_tokens", special)
-    return _encoding(name, pattern, ranks, special)
+    return make_encoding(name, pattern, ranks, special)
 
 
-def _encoding(name: str, pattern: str, ranks: dict[bytes, int],
-              special: dict[str, int]) -> tiktoken.Encoding:
-    if not isinstance(special, dict) or EOT not in special:
-        raise DataError(f"tokenizer {name!r} has no {EOT} special token; add it to the "
+def make_encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
+              eot: str = EOT, bos: str | None = None, normalizer: str | None = None) -> Encoding:
+    if not isinstance(special, dict) or eot not in special or (bos is not None and bos not in special):
+        raise DataError(f"tokenizer {name!r} has no {eot} special token; add it to the "
                         "special_tokens of its sidecar/tokenizer.json")
+    if normalizer not in (None, "NFC"):
+        raise DataError(f"tokenizer {name!r}: normalizer {normalizer!r} is not supported (NFC is)")
     ids = set(ranks.values())
     if clash := sorted(str(t) for t, i in special.items() if isinstance(i, int) and i in ids):
         raise DataError(f"tokenizer {name!r}: special token {clash[0]} has the id of a "
                         "mergeable token; give special tokens ids past the ranks")
     try:
-        return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
-                                 special_tokens=special)
+        return Encoding(name, pattern, ranks, special, eot, bos, normalizer)
     except Exception as e:  # tiktoken's Rust core raises on bad patterns or clashing ids
         raise DataError(f"tokenizer {name!r} is inconsistent ({e}); check its pattern and "
                         "special token ids") from None
 
 
 def eot_id(enc: tiktoken.Encoding) -> int:
-    """The id of `<|endoftext|>`, the token that separates documents."""
+    """The id of the end-of-text token (`<|endoftext|>`, or a Hugging Face tokenizer's EOS),
+    the token that separates documents."""
+    name = getattr(enc, "eot_name", EOT)  # a plain tiktoken Encoding: `<|endoftext|>`
     try:
-        return enc._special_tokens[EOT]  # tiktoken's only accessor, `eot_token`, is the same
+        return enc._special_tokens[name]  # tiktoken's only accessor, `eot_token`, is the same
     except KeyError:
-        raise DataError(f"tokenizer {enc.name!r} has no {EOT} token; use one that does") from None
+        raise DataError(f"tokenizer {enc.name!r} has no {name} token; use one that does") from None
+
+
+def bos_id(enc: tiktoken.Encoding) -> int | None:
+    """The id of the BOS the tokenizer puts before every text (Llama 3's), None without one."""
+    name = getattr(enc, "bos_name", None)
+    return None if name is None else enc._special_tokens[name]
+
+
+def doc_start(enc: tiktoken.Encoding) -> list[int]:
+    """The ids before every document in the shards: end-of-text, then the BOS if any."""
+    return [eot_id(enc)] + ([] if bos_id(enc) is None else [bos_id(enc)])
 
 
 def encode_prompt(enc: tiktoken.Encoding, text: str) -> list[int]:
     """`text` as the beginning of a document: every document in the shards starts with
-    end-of-text, so a prompt does too (what the trainer's samples and `lmforge sample` feed)."""
-    return [eot_id(enc), *enc.encode_ordinary(text)]
+    `doc_start`, so a prompt does too (what the trainer's samples and `lmforge sample` feed)."""
+    return [*doc_start(enc), *enc.encode_ordinary(text)]
 
 
 def mergeable_ranks(enc: tiktoken.Encoding) -> dict[bytes, int]:
@@ -191,7 +240,8 @@ def token_byte_lengths(enc: tiktoken.Encoding) -> np.ndarray:
 def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
                        name: str) -> dict:
     """Write DIR/vocab.tiktoken and DIR/tokenizer.json; returns the tokenizer.json dict.
-    `kind` says where it came from: "tiktoken" (a name), "file" (a .tiktoken path) or "bpe"."""
+    `kind` says where it came from: "tiktoken" (a name), "file" (a .tiktoken path), "bpe" or
+    "hf" (a Hugging Face tokenizer.json)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # tiktoken's own dump_tiktoken_bpe needs blobfile; the format is one "base64 rank" per line.
@@ -200,7 +250,8 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
     atomic_write_bytes(directory / VOCAB_FILE, [b"".join(lines)])
     meta = {
         "name": name, "kind": kind, "pattern": enc._pat_str,
-        "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc),
+        "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc), "bos_id": bos_id(enc),
+        "normalizer": getattr(enc, "normalizer", None),
         "n_vocab": enc.n_vocab, "vocab_size": enc.n_vocab,
         "sha256": file_sha256(directory / VOCAB_FILE),
     }
@@ -243,7 +294,10 @@ def load_tokenizer_dir(directory: Path | str) -> tiktoken.Encoding:
                                            meta["n_vocab"])
     except KeyError as e:
         raise DataError(f"{directory / META_FILE} lacks {e}; re-run `lmforge prepare`") from None
-    enc = _encoding(name, pattern, _parse_ranks(vocab, directory / VOCAB_FILE), special)
+    names = {i: t for t, i in special.items()} if isinstance(special, dict) else {}
+    eot, bos = names.get(meta.get("eot_id"), EOT), names.get(meta.get("bos_id"))
+    enc = make_encoding(name, pattern, _parse_ranks(vocab, directory / VOCAB_FILE), special, eot, bos,
+                    meta.get("normalizer"))
     if enc.n_vocab != n_vocab:
         raise DataError(f"{directory}: n_vocab {enc.n_vocab} != {n_vocab} in {META_FILE}; "
                         "copy the tokenizer directory again from the dataset")
@@ -277,7 +331,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, name: str | None = None) ->
     tok = rustbpe.Tokenizer()
     tok.train_from_iterator(iter(texts), vocab_size - 1, pattern=CL100K_PATTERN)
     ranks = {bytes(b): r for b, r in tok.get_mergeable_ranks()}
-    return _encoding(name or f"bpe{next_id(ranks) + 1}", CL100K_PATTERN, ranks, {EOT: next_id(ranks)})
+    return make_encoding(name or f"bpe{next_id(ranks) + 1}", CL100K_PATTERN, ranks, {EOT: next_id(ranks)})
 
 
 def bpe_size(spec: str) -> int | None:
