@@ -125,12 +125,6 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: (rows, *ours[k][1:]) for k, parts in weight_table(cfg).items() for name, rows in parts}
 
 
-def join_rows(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
-    """Hugging Face tensors stacked into one of ours of `rows` rows (vocabulary padding: zeros)."""
-    w = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return w if w.shape[0] == rows else torch.cat((w, w.new_zeros(rows - w.shape[0], *w.shape[1:])))
-
-
 def export_hf(model_or_state, cfg: ModelConfig, out_dir, dtype: torch.dtype = torch.float32,
               eos_token_id: int | None = None, bos_token_id: int | None = None) -> Path:
     """Write out_dir/config.json, generation_config.json and model.safetensors for
