@@ -26,7 +26,7 @@ from data_prep.errors import DataError
 from data_prep.safe_files import read_text
 from data_prep.tokenizer import Encoding, check_ranks, make_encoding
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 MAX_JSON_BYTES = 1 << 28  # Qwen's tokenizer.json is ~11 MB, Llama 3's ~9 MB
 
 # tokenizers' ByteLevel regex (GPT-2's), as ByteLevel(use_regex=True) splits with it.
@@ -134,7 +134,7 @@ def _bos(post: dict | None, directory: Path) -> str | None:
 
 
 def _eos(directory: Path, added: dict[str, int]) -> str:
-    cfg_path = directory / "tokenizer_config.json"
+    cfg_path = directory / CONFIG_FILE
     eos = _json(cfg_path, "tokenizer config").get("eos_token") if cfg_path.is_file() else None
     eos = eos.get("content") if isinstance(eos, dict) else eos
     for name in ("generation_config.json", "config.json"):
@@ -155,7 +155,11 @@ def load_hf_tokenizer(directory: Path) -> Encoding:
     if not path.is_file():
         raise DataError(f"{path} not found; give hf:DIR of a Hugging Face model directory holding "
                         "tokenizer.json (a tokenizer.model of SentencePiece is not supported)")
-    tok = _json(path, "Hugging Face tokenizer")
+    text = read_text(path, MAX_JSON_BYTES, what="Hugging Face tokenizer")
+    try:
+        tok = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"cannot parse {path} ({e}); download it again") from None
     if not isinstance(tok, dict) or not isinstance(tok.get("model"), dict):
         raise _refuse(directory, "no tokenizer model in it")
     added = {t["content"]: t["id"] for t in tok.get("added_tokens") or []}
@@ -163,7 +167,10 @@ def load_hf_tokenizer(directory: Path) -> Encoding:
     normalizer = _normalizer(tok.get("normalizer"), directory)
     ranks = _ranks(tok["model"], added, directory)
     check_ranks(ranks, path)
-    name = directory.resolve().name
-    return make_encoding(name, pattern, ranks, added, _eos(directory, added),
-                     _bos(tok.get("post_processor"), directory), normalizer)
+    enc = make_encoding(directory.resolve().name, pattern, ranks, added, _eos(directory, added),
+                        _bos(tok.get("post_processor"), directory), normalizer)
+    enc.hf_files = {TOKENIZER_FILE: text.encode()}
+    if (config := directory / CONFIG_FILE).is_file():
+        enc.hf_files[CONFIG_FILE] = read_text(config, MAX_JSON_BYTES, what="tokenizer config").encode()
+    return enc
 

@@ -32,6 +32,7 @@ NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
 HF_PREFIX = "hf:"
 VOCAB_FILE = "vocab.tiktoken"
 META_FILE = "tokenizer.json"
+HF_FILES = "hf"  # a Hugging Face tokenizer's own files, kept for `lmforge export`
 
 # Split patterns of tiktoken_ext.openai_public, copied because the module only exposes them
 # inside functions that download the vocabulary.
@@ -68,6 +69,7 @@ class Encoding(tiktoken.Encoding):
         super().__init__(name=name, pat_str=pat_str, mergeable_ranks=mergeable_ranks,
                          special_tokens=special_tokens)
         self.eot_name, self.bos_name, self.normalizer = eot, bos, normalizer
+        self.hf_files: dict[str, bytes] = {}  # hf:DIR's tokenizer files, saved under HF_FILES
 
     def _normal(self, text: str) -> str:
         return unicodedata.normalize(self.normalizer, text) if self.normalizer else text
@@ -256,6 +258,9 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
         "sha256": file_sha256(directory / VOCAB_FILE),
     }
     atomic_write_bytes(directory / META_FILE, [(json.dumps(meta, indent=2) + "\n").encode()])
+    for file, data in getattr(enc, "hf_files", {}).items():
+        (directory / HF_FILES).mkdir(exist_ok=True)
+        atomic_write_bytes(directory / HF_FILES / file, [data])
     return meta
 
 

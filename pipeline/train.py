@@ -339,8 +339,9 @@ class Trainer:
         if self.info.is_main:
             log.info("%s", self.model.summary())
             if self.source:
-                log.info("model: %s/config.json (replaces the config's [model]); started from its "
-                         "weights, sha256 %s", self.source["path"], self.source["sha256"])
+                log.info("model: %s/config.json (replaces the config's [model]); weights from its "
+                         "%d safetensors files (sha256 in meta.json)", self.source["path"],
+                         len(self.source["sha256"]))
             log.info("%s", describe(self.cfg, self.derived, self.model.num_params()))
             log.info("parallel=%s world=%d device=%s dtype=%s", self.parallel.mode,
                      self.info.world_size, self.info.device, dtype_name(self.precision.dtype))

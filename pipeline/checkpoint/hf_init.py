@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from data_prep.safe_files import check_dir, open_fd, open_file, read_text
+from data_prep.tokenizer import HF_PREFIX
 from model import GPT, ModelConfig
 from model.hf import CONFIG_FILE, WEIGHTS_FILE, config_from_hf, hf_shapes, weight_table
 from pipeline.errors import CheckpointError, refusal
 from pipeline.parallel.materialize import copy_whole, materialize, meta_gpt
 from pipeline.typed_config import ConfigError, field_types, parse_overrides, parse_text
 
-HF_PREFIX = "hf:"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_JSON_BYTES = 1 << 26
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
