@@ -39,8 +39,16 @@ def corpus(n: int = 160, skip: int = 0) -> list[str]:
 def make_tokenizer(out: Path, style: str = "gpt2") -> Path:
     """tokenizer.json (+ tokenizer_config.json naming the EOS) in `out`: "gpt2" is ByteLevel
     alone (GPT-2, SmolLM2 without digits), "llama3" a Split regex + NFC + BOS template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=style == "gpt2")

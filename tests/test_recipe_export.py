@@ -12,8 +12,8 @@ import torch
 from launch.cli import main as lmforge
 from model import GPT, ModelConfig
 from model.hf import export_hf, hf_config_dict
-from pipeline.checkpoint.hf_init import load_hf_model
 from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
+from pipeline.checkpoint.hf_init import load_hf_model
 from pipeline.config import config_from_dict
 from tests.errors import cli_error
 from tests.test_hf import TOL, VOCAB, with_large_weights

@@ -70,7 +70,7 @@ def init_from_model(d: dict, overrides: list[str]) -> tuple[dict, list[str]]:
     source = given[-1] if given else d.get("checkpoint", {}).get("init_from", "")
     if not source:
         return d, overrides
-    hf = read_config(Path(source))
+    hf = open_weights(Path(source)).config  # weights checked too: a bad directory stops here
     types = field_types(ModelConfig)
     for key, text in pairs:
         name = key.removeprefix("model.")
