@@ -109,8 +109,9 @@ def make_model(out: Path, arch: str = "llama", tie: bool = False, n_kv_head: int
     return model
 
 
-def run_args(data: Path, out: Path, *extra: str) -> list[str]:
-    """bench.runs' tiny-run flags without its --model.* ones (init_from gives the model)."""
+def run_args(data: Path | str, out: Path, *extra: str) -> list[str]:
+    """bench.runs' tiny-run flags without its --model.* ones (init_from gives the model); `data`
+    a directory, or a `--data.mix` string."""
     pairs = list(zip(TINY_ARGS[::2], TINY_ARGS[1::2], strict=True))
-    return ["--data.path", str(data), "--log.out_dir", str(out),
+    return ["--data.mix" if isinstance(data, str) else "--data.path", str(data), "--log.out_dir", str(out),
             *(a for k, v in pairs if not k.startswith("--model.") for a in (k, v)), *extra]

@@ -119,7 +119,7 @@ def test_eval_and_greedy_sample_of_hf_dir_match_transformers(hf_root, tmp_path):
 def test_train_mixture_resume_and_export_round_trip(hf_root, tmp_path, name):
     src, run = hf_root / name, tmp_path / "run"
     mix = f"{hf_root / 'data'}:0.7,{hf_root / 'data2'}:0.3"  # domain data beside replayed data
-    args = run_args(hf_root / "data", run, "--data.mix", mix, "--checkpoint.init_from", str(src),
+    args = run_args(mix, run, "--checkpoint.init_from", str(src),
                     "--eval.every", "0")
     train([*args, "--train.max_steps", "2", "--checkpoint.every", "1"])
     meta = json.loads((run / "final" / "meta.json").read_text())
