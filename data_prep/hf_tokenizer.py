@@ -20,11 +20,11 @@ Anything else is one DataError naming what is unsupported.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.errors import DataError
 from data_prep.safe_files import read_text
-from data_prep.tokenizer import Encoding, check_ranks, make_encoding
 
 TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 MAX_JSON_BYTES = 1 << 28  # Qwen's tokenizer.json is ~11 MB, Llama 3's ~9 MB
@@ -149,8 +149,22 @@ def _eos(directory: Path, added: dict[str, int]) -> str:
     return eos
 
 
-def load_hf_tokenizer(directory: Path) -> Encoding:
-    """The Encoding giving `tokenizers`' ids for DIR/tokenizer.json (DataError if it cannot)."""
+@dataclass
+class HFTokenizer:
+    """What data_prep.tokenizer builds the Encoding of (make_encoding's arguments)."""
+
+    name: str
+    pattern: str
+    ranks: dict[bytes, int]
+    special: dict[str, int]
+    eot: str
+    bos: str | None
+    normalizer: str | None
+    files: dict[str, bytes] = field(default_factory=dict)  # kept for `lmforge export`
+
+
+def read_hf_tokenizer(directory: Path) -> HFTokenizer:
+    """The tiktoken form of DIR/tokenizer.json giving `tokenizers`' ids (DataError if none can)."""
     path = directory / TOKENIZER_FILE
     if not path.is_file():
         raise DataError(f"{path} not found; give hf:DIR of a Hugging Face model directory holding "
@@ -165,12 +179,10 @@ def load_hf_tokenizer(directory: Path) -> Encoding:
     added = {t["content"]: t["id"] for t in tok.get("added_tokens") or []}
     pattern = split_pattern(tok.get("pre_tokenizer"), directory)
     normalizer = _normalizer(tok.get("normalizer"), directory)
-    ranks = _ranks(tok["model"], added, directory)
-    check_ranks(ranks, path)
-    enc = make_encoding(directory.resolve().name, pattern, ranks, added, _eos(directory, added),
-                        _bos(tok.get("post_processor"), directory), normalizer)
-    enc.hf_files = {TOKENIZER_FILE: text.encode()}
+    spec = HFTokenizer(directory.resolve().name, pattern, _ranks(tok["model"], added, directory),
+                       added, _eos(directory, added), _bos(tok.get("post_processor"), directory),
+                       normalizer, {TOKENIZER_FILE: text.encode()})
     if (config := directory / CONFIG_FILE).is_file():
-        enc.hf_files[CONFIG_FILE] = read_text(config, MAX_JSON_BYTES, what="tokenizer config").encode()
-    return enc
+        spec.files[CONFIG_FILE] = read_text(config, MAX_JSON_BYTES, what="tokenizer config").encode()
+    return spec
 

@@ -25,6 +25,7 @@ import numpy as np
 import tiktoken
 
 from data_prep.errors import DataError
+from data_prep.hf_tokenizer import read_hf_tokenizer
 from data_prep.shards import atomic_write_bytes, file_sha256, load_manifest, symlinks_in
 
 EOT = "<|endoftext|>"
@@ -84,9 +85,11 @@ class Encoding(tiktoken.Encoding):
 def load_tokenizer(spec: str) -> Encoding:
     """An Encoding from a name, a `.tiktoken` path, a tokenizer directory or `hf:DIR`."""
     if spec.startswith(HF_PREFIX):
-        from data_prep.hf_tokenizer import load_hf_tokenizer  # reads tokenizer.json: only here
-
-        return load_hf_tokenizer(Path(spec.removeprefix(HF_PREFIX)))
+        hf = read_hf_tokenizer(Path(spec.removeprefix(HF_PREFIX)))
+        enc = make_encoding(hf.name, hf.pattern, check_ranks(hf.ranks, Path(spec)), hf.special,
+                            hf.eot, hf.bos, hf.normalizer)
+        enc.hf_files = hf.files
+        return enc
     path = Path(spec)
     if path.is_dir():
         return load_tokenizer_dir(path)

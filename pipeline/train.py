@@ -338,7 +338,7 @@ class Trainer:
     def _log_start(self) -> None:
         if self.info.is_main:
             log.info("%s", self.model.summary())
-            if self.source:
+            if self.source and self.parent_step is None:
                 log.info("model: %s/config.json (replaces the config's [model]); weights from its "
                          "%d safetensors files (sha256 in meta.json)", self.source["path"],
                          len(self.source["sha256"]))
