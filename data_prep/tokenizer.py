@@ -192,6 +192,13 @@ def make_encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dic
                         "special token ids") from None
 
 
+def fits_model(meta: dict, model_vocab: int) -> bool:
+    """Whether a tokenizer (its tokenizer.json or manifest record) is a model's: the same number of
+    ids, or for a Hugging Face tokenizer no more (Qwen pads its table past its tokenizer's ids)."""
+    n_vocab = meta.get("n_vocab", meta.get("vocab_size"))
+    return n_vocab == model_vocab or (meta.get("kind") == "hf" and n_vocab < model_vocab)
+
+
 def eot_id(enc: tiktoken.Encoding) -> int:
     """The id of the end-of-text token (`<|endoftext|>`, or a Hugging Face tokenizer's EOS),
     the token that separates documents."""

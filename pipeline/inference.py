@@ -19,7 +19,13 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from data_prep.errors import DataError
-from data_prep.tokenizer import HF_PREFIX, load_tokenizer, read_tokenizer_meta, save_tokenizer_dir
+from data_prep.tokenizer import (
+    HF_PREFIX,
+    fits_model,
+    load_tokenizer,
+    read_tokenizer_meta,
+    save_tokenizer_dir,
+)
 from model import GPT, ModelConfig
 from pipeline.checkpoint.format import CheckpointMeta, read_meta, resolve
 from pipeline.checkpoint.hf_init import hf_dir, load_hf_model
@@ -103,7 +109,7 @@ def check_tokenizer_fits(tokenizer_dir: Path, cfg: ModelConfig) -> None:
         n_vocab, eot = int(tok["n_vocab"]), int(tok["eot_id"])
     except (DataError, KeyError, TypeError, ValueError) as e:
         raise refusal(tokenizer_dir, f"its tokenizer is unreadable ({e})") from None
-    if not 0 <= eot < n_vocab == cfg.vocab_size:
+    if not (0 <= eot < n_vocab and fits_model(tok, cfg.vocab_size)):
         raise refusal(tokenizer_dir, f"its tokenizer has {n_vocab} ids (end-of-text {eot}) for a "
                                      f"model of vocabulary {cfg.vocab_size}; the tokenizer is not "
                                      "the one the model was trained with")

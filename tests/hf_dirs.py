@@ -85,7 +85,7 @@ def hf_encode(tok_dir: Path, text: str) -> list[int]:
 
 def make_model(out: Path, arch: str = "llama", tie: bool = False, n_kv_head: int = 2,
                shard: str | None = "120KB", head_dim: int | None = None, seed: int = 0,
-               tok_dir: Path | None = None):
+               tok_dir: Path | None = None, vocab: int = TOKENIZER_VOCAB):
     """A random tiny model of the tokenizer's vocabulary saved in `out` (sharded unless
     shard=None), weights large enough that attention is far from uniform; returns the model."""
     import transformers
@@ -93,7 +93,7 @@ def make_model(out: Path, arch: str = "llama", tie: bool = False, n_kv_head: int
     torch.manual_seed(seed)
     conf = transformers.LlamaConfig if arch == "llama" else transformers.Qwen3Config
     kw = {"head_dim": head_dim} if head_dim else {}
-    cfg = conf(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=96,
+    cfg = conf(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=n_kv_head,
                max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=tie,
                rope_parameters={"rope_type": "default", "rope_theta": 500.0},

@@ -34,7 +34,9 @@ CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 MODELS = {  # name: make_model's arguments
     "llama_tied_mha": {"tie": True, "n_kv_head": 4, "shard": None},
     "llama_gqa_sharded": {"tie": False, "n_kv_head": 2},
-    "qwen3_head_dim": {"arch": "qwen3", "tie": False, "n_kv_head": 2, "head_dim": 32},
+    # Qwen3-0.6B's shape in small: head_dim apart from d_model / n_head, and an embedding table
+    # padded past the tokenizer's ids (151,936 rows for 151,669 ids there)
+    "qwen3_head_dim": {"arch": "qwen3", "tie": False, "n_kv_head": 2, "head_dim": 32, "vocab": 700},
 }
 ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -127,7 +129,8 @@ def test_train_mixture_resume_and_export_round_trip(hf_root, tmp_path, name):
     assert meta["source"]["sha256"] == {
         f: hashlib.sha256((src / f).read_bytes()).hexdigest() for f in files}
     model = load_config(run / "config.toml").model  # the run's saved config: config.json's model
-    assert model.d_model == 64 and model.vocab_size == 640 and model.tie_embeddings is False
+    assert model.d_model == 64 and model.vocab_size == json.loads((src / "config.json").read_text())[
+        "vocab_size"] and model.tie_embeddings is False
     res = train([*args, "--train.max_steps", "3", "--resume", "auto"])
     assert "resumed from" in res.stdout and sorted(losses(run)) == [1, 2, 3]
 
