@@ -72,6 +72,11 @@ class Encoding(tiktoken.Encoding):
         self.eot_name, self.bos_name, self.normalizer = eot, bos, normalizer
         self.hf_files: dict[str, bytes] = {}  # hf:DIR's tokenizer files, saved under HF_FILES
 
+    def __getstate__(self) -> dict:  # tiktoken's pickles only its own four fields
+        return {"name": self.name, "pat_str": self._pat_str, "mergeable_ranks": self._mergeable_ranks,
+                "special_tokens": self._special_tokens, "eot": self.eot_name, "bos": self.bos_name,
+                "normalizer": self.normalizer}
+
     def _normal(self, text: str) -> str:
         return unicodedata.normalize(self.normalizer, text) if self.normalizer else text
 
