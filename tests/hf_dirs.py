@@ -38,7 +38,8 @@ def corpus(n: int = 160, skip: int = 0) -> list[str]:
 
 def make_tokenizer(out: Path, style: str = "gpt2") -> Path:
     """tokenizer.json (+ tokenizer_config.json naming the EOS) in `out`: "gpt2" is ByteLevel
-    alone (GPT-2, SmolLM2 without digits), "llama3" a Split regex + NFC + BOS template."""
+    alone (GPT-2), "digits" Digits(individual_digits) then ByteLevel (StarCoder / SmolLM style),
+    "llama3" a Split regex + NFC + BOS template (Llama 3, Qwen)."""
     from tokenizers import (
         Regex,
         Tokenizer,
@@ -51,19 +52,22 @@ def make_tokenizer(out: Path, style: str = "gpt2") -> Path:
     )
 
     tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=style == "gpt2")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=style != "llama3")
     if style == "gpt2":
         tok.pre_tokenizer = byte_level
+    elif style == "digits":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB - (style != "gpt2"),
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB - (style == "llama3"),
                                   special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer)
-    if style != "gpt2":
+    if style == "llama3":
         tok.add_special_tokens([BOS])
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])

@@ -19,7 +19,7 @@ from tests.hf_dirs import BOS, EOS, ODD_TEXTS, corpus, hf_encode, make_tokenizer
 
 pytest.importorskip("tokenizers")
 
-STYLES = ("gpt2", "llama3")
+STYLES = ("gpt2", "digits", "llama3")
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +34,8 @@ def test_encoding_matches_tokenizers(hf_tokenizers, style):
     tok_dir = hf_tokenizers[style]
     enc = load_tokenizer(f"hf:{tok_dir}")
     assert enc.n_vocab == 640 and enc.decode([eot_id(enc)]) == EOS
-    bos = [] if style == "gpt2" else [enc.encode_single_token(BOS)]
-    assert (bos_id(enc) is None) == (style == "gpt2")
+    bos = [enc.encode_single_token(BOS)] if style == "llama3" else []
+    assert (bos_id(enc) is None) == (style != "llama3")
     texts = corpus(60, skip=160) + ODD_TEXTS
     mismatched = [t[:40] for t in texts if bos + enc.encode_ordinary(t) != hf_encode(tok_dir, t)]
     assert not mismatched
@@ -60,7 +60,7 @@ def test_prepare_shards_hold_tokenizers_ids(hf_tokenizers, tmp_path, style):
     m = load_manifest(out)
     enc = load_tokenizer_dir(out / "tokenizer")  # what training and sampling will read
     assert m.eot_id == eot_id(enc) == 0 and m.vocab_size == 640
-    assert m.tokenizer["bos_id"] == bos_id(enc) == (None if style == "gpt2" else 640 - 1)
+    assert m.tokenizer["bos_id"] == bos_id(enc) == (640 - 1 if style == "llama3" else None)
     docs = []
     for s in m.shards:
         tokens = open_shard(out / s.file)
