@@ -43,9 +43,11 @@ from data_prep.safe_files import check_writable
 from data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
 from data_prep.sources import Source
 from data_prep.tokenizer import (
+    HF_PREFIX,
     META_FILE,
     NAMED,
     bpe_size,
+    doc_start,
     eot_id,
     load_tokenizer,
     load_tokenizer_dir,
@@ -200,7 +202,7 @@ def floor_threshold(docs: Iterable[str], enc: tiktoken.Encoding, base: int,
         if key >= base and held >= floor and key > -heap[0]:
             continue  # neither val by the hash rule nor among the smallest keys: not encoded
         group = groups.get(key)
-        tokens = group[1] if group else len(encode_ordinary(enc, text)) + 1
+        tokens = group[1] if group else len(encode_ordinary(enc, text)) + len(doc_start(enc))
         if key < base:
             below += tokens
             if below >= floor:  # the usual case past a few hundred thousand tokens of input
@@ -239,21 +241,22 @@ def encode_ordinary(enc: tiktoken.Encoding, text: str) -> np.ndarray:
         return np.asarray(enc.encode_ordinary(text), dtype=np.uint32)
 
 
-def encode_docs(enc: tiktoken.Encoding, eot: int, dtype: np.dtype,
+def encode_docs(enc: tiktoken.Encoding, start: list[int], dtype: np.dtype,
                 texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """[EOT, doc_1..., EOT, doc_2..., ...] and the length of each document's slice (EOT incl.)."""
+    """[EOT, doc_1..., EOT, doc_2..., ...] and the length of each document's slice (EOT incl.);
+    `start` is EOT, or EOT and the BOS of a tokenizer that adds one (tokenizer.doc_start)."""
     if not texts:
         return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64)
-    eot_arr = np.array([eot], dtype=np.uint32)
-    parts = [a for t in texts for a in (eot_arr, encode_ordinary(enc, t))]
-    lengths = np.array([len(p) + 1 for p in parts[1::2]], dtype=np.int64)
+    start_arr = np.array(start, dtype=np.uint32)
+    parts = [a for t in texts for a in (start_arr, encode_ordinary(enc, t))]
+    lengths = np.array([len(p) + len(start) for p in parts[1::2]], dtype=np.int64)
     return np.concatenate(parts).astype(dtype), lengths
 
 
-def encode_batch(enc: tiktoken.Encoding, eot: int, dtype: np.dtype,
+def encode_batch(enc: tiktoken.Encoding, start: list[int], dtype: np.dtype,
                  batch: Batch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """`encode_docs` of each split of a batch (one thread-pool task)."""
-    return {sp: encode_docs(enc, eot, dtype, texts) for sp, texts in batch.texts.items()}
+    return {sp: encode_docs(enc, start, dtype, texts) for sp, texts in batch.texts.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +279,9 @@ def setup_tokenizer(cfg: PrepareConfig, out: Path, threshold: int) -> tuple[tikt
         return enc, "bpe", enc.name
     spec = cfg.tokenizer
     enc = load_tokenizer(spec)
-    return enc, "tiktoken" if spec in NAMED else "dir" if Path(spec).is_dir() else "file", enc.name
+    kind = "tiktoken" if spec in NAMED else "hf" if spec.startswith(HF_PREFIX) else \
+        "dir" if Path(spec).is_dir() else "file"
+    return enc, kind, enc.name
 
 
 def bpe_sample(cfg: PrepareConfig, threshold: int) -> Iterator[str]:
@@ -325,8 +330,8 @@ def prepare(cfg: PrepareConfig) -> Manifest:
     stats["val_floor"] = VAL_FLOOR_TOKENS if threshold != base else None  # the summary says it
     m = Manifest(
         version=FORMAT_VERSION, vocab_size=enc.n_vocab, eot_id=eot_id(enc),
-        tokenizer={k: tok_meta[k] for k in ("kind", "name", "vocab_size", "eot_id", "sha256",
-                                            "pattern")} | {"spec": cfg.tokenizer},
+        tokenizer={k: tok_meta[k] for k in ("kind", "name", "vocab_size", "eot_id", "bos_id",
+                                            "sha256", "pattern")} | {"spec": cfg.tokenizer},
         source=cfg.source, args=identity, stats=stats, dtype=dtype.name,
         shards=sort_shards(ledger.done), data_dir=out)
     if not m.num_tokens("train"):
@@ -403,7 +408,7 @@ def run_pipeline(cfg: PrepareConfig, source: Source, enc: tiktoken.Encoding, dty
     writers = {sp: ShardWriter(sp, ledger, enc.n_vocab, dtype, cfg.shard_tokens) for sp in SPLITS}
     counts = {"documents": 0, "train_documents": 0, "val_documents": 0}
     todo = batches(docs, threshold, {sp: ledger.count(sp)[1] for sp in SPLITS}, counts)
-    encode = functools.partial(encode_batch, enc, eot_id(enc), dtype)
+    encode = functools.partial(encode_batch, enc, doc_start(enc), dtype)
     workers = cfg.workers or len(os.sched_getaffinity(0))
     bar = ProgressBar(cfg, source, nparts)
     with ThreadPoolExecutor(workers) as pool:

@@ -6,7 +6,8 @@ Specs accepted by `load_tokenizer`:
   special tokens are inferred for the known OpenAI vocabulary sizes; otherwise the GPT-4
   (cl100k) pattern with `<|endoftext|>` = len(ranks). A sidecar `FILE.tiktoken.json` with any of
   `name`, `pattern`, `special_tokens` overrides the inference;
-- a tokenizer directory written by `save_tokenizer_dir` (what prepare leaves in OUT/tokenizer/).
+- a tokenizer directory written by `save_tokenizer_dir` (what prepare leaves in OUT/tokenizer/);
+- `hf:DIR`, a Hugging Face byte-level BPE tokenizer.json converted exactly (data_prep/hf_tokenizer.py).
 `bpe:N` (train a vocabulary of N ids on the corpus) is handled by `train_bpe`, called by prepare.
 """
 
@@ -17,6 +18,7 @@ import binascii
 import hashlib
 import json
 import os
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import numpy as np
 import tiktoken
 
 from data_prep.errors import DataError
+from data_prep.hf_tokenizer import read_hf_tokenizer
 from data_prep.safe_files import (
     atomic_write_bytes,
     check_dir,
@@ -32,19 +35,17 @@ from data_prep.safe_files import (
     read_bytes,
 )
 from data_prep.shards import load_manifest
+from data_prep.tokenizer_checks import check_id_range, probe_pattern
 
 EOT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
+HF_PREFIX = "hf:"
 VOCAB_FILE = "vocab.tiktoken"
 META_FILE = "tokenizer.json"
 MAX_VOCAB_BYTES = 1 << 28  # o200k's file is 3.6 MB; 2**24 ids of ~16 bytes a line fit
 MAX_META_BYTES = 16 << 20  # tokenizer.json and a .tiktoken sidecar: a pattern, special tokens
 REPLACEMENT = "\ufffd".encode()  # the text of an id that has no bytes (a gap between ranks)
-# Text every split pattern is tried on when a tokenizer is built: one that matches the empty
-# string, or backtracks without bound, makes tiktoken's Rust core panic on encoding, and a panic
-# is no Python exception a caller can turn into one error line.
-PROBE_TEXT = ("Hello, World! don't DON'T 12 3456789 x=1; a_b\n\t  \r\n é ü ß Ωμέγα 日本語 🎉 "
-              "<|endoftext|> ." + "a" * 64 + " " * 64 + "1" * 64 + "\n" * 8 + ".,;!?" * 8)
+HF_FILES = "hf"  # a Hugging Face tokenizer's own files, kept for `lmforge export`
 
 # Split patterns of tiktoken_ext.openai_public, copied because the module only exposes them
 # inside functions that download the vocabulary.
@@ -70,8 +71,42 @@ KNOWN_VOCABS: dict[int, tuple[str, str, dict[str, int]]] = {
 }
 
 
-def load_tokenizer(spec: str) -> tiktoken.Encoding:
-    """A tiktoken Encoding from a name, a `.tiktoken` path or a tokenizer directory."""
+class Encoding(tiktoken.Encoding):
+    """tiktoken's Encoding, plus what opens every document in the shards (the end-of-text token,
+    then the tokenizer's own BOS where it adds one, as Llama 3's does) and the Unicode
+    normalisation a tokenizer applies before splitting (Qwen's NFC)."""
+
+    def __init__(self, name: str, pat_str: str, mergeable_ranks: dict[bytes, int],
+                 special_tokens: dict[str, int], eot: str = EOT, bos: str | None = None,
+                 normalizer: str | None = None):
+        super().__init__(name=name, pat_str=pat_str, mergeable_ranks=mergeable_ranks,
+                         special_tokens=special_tokens)
+        self.eot_name, self.bos_name, self.normalizer = eot, bos, normalizer
+        self.hf_files: dict[str, bytes] = {}  # hf:DIR's tokenizer files, saved under HF_FILES
+
+    def __getstate__(self) -> dict:  # tiktoken's pickles only its own four fields
+        return {"name": self.name, "pat_str": self._pat_str, "mergeable_ranks": self._mergeable_ranks,
+                "special_tokens": self._special_tokens, "eot": self.eot_name, "bos": self.bos_name,
+                "normalizer": self.normalizer}
+
+    def _normal(self, text: str) -> str:
+        return unicodedata.normalize(self.normalizer, text) if self.normalizer else text
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return super().encode_ordinary(self._normal(text))
+
+    def encode_to_numpy(self, text: str, **kwargs) -> np.ndarray:
+        return super().encode_to_numpy(self._normal(text), **kwargs)
+
+
+def load_tokenizer(spec: str) -> Encoding:
+    """An Encoding from a name, a `.tiktoken` path, a tokenizer directory or `hf:DIR`."""
+    if spec.startswith(HF_PREFIX):
+        hf = read_hf_tokenizer(Path(spec.removeprefix(HF_PREFIX)))
+        enc = make_encoding(hf.name, hf.pattern, check_ranks(hf.ranks, Path(spec)), hf.special,
+                            hf.eot, hf.bos, hf.normalizer)
+        enc.hf_files = hf.files
+        return enc
     path = Path(spec)
     if path.is_dir():
         return load_tokenizer_dir(path)
@@ -79,7 +114,8 @@ def load_tokenizer(spec: str) -> tiktoken.Encoding:
         return _from_tiktoken_file(path)
     if spec in NAMED:
         try:
-            return tiktoken.get_encoding(spec)
+            e = tiktoken.get_encoding(spec)
+            return Encoding(e.name, e._pat_str, e._mergeable_ranks, e._special_tokens)
         except Exception as e:  # tiktoken raises assorted network errors when offline
             raise DataError(f"cannot load tiktoken encoding {spec!r} ({type(e).__name__}); "
                             "give a path to its .tiktoken file instead (no network here?)") from None
@@ -87,7 +123,7 @@ def load_tokenizer(spec: str) -> tiktoken.Encoding:
         raise DataError(f"tokenizer {spec!r} is trained by `lmforge prepare`; pass the prepared "
                         "OUT/tokenizer directory to reuse it")
     raise DataError(f"unknown tokenizer {spec!r}; use one of {', '.join(NAMED)}, a .tiktoken "
-                    "file, a tokenizer directory, or bpe:N")
+                    "file, a tokenizer directory, hf:DIR (a Hugging Face model directory), or bpe:N")
 
 
 def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
@@ -105,6 +141,11 @@ def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
         except (ValueError, binascii.Error) as e:
             raise DataError(f"{path} is not a .tiktoken vocabulary (line {n}: {e}); give a "
                             "tiktoken base64-ranks file") from None
+    return check_ranks(ranks, path)
+
+
+def check_ranks(ranks: dict[bytes, int], path: Path) -> dict[bytes, int]:
+    """`ranks`, refused unless tiktoken can encode every text with them."""
     if not ranks:
         raise DataError(f"{path} holds no tokens; give a non-empty .tiktoken file")
     # Checked here because tiktoken's Rust core panics (an exception `except Exception` misses)
@@ -153,79 +194,67 @@ def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
         name = over.get("name", name)
         pattern = over.get("pattern", pattern)
         special = over.get("special_tokens", special)
-    return _encoding(name, pattern, ranks, special)
+    return make_encoding(name, pattern, ranks, special)
 
 
-def _encoding(name: str, pattern: str, ranks: dict[bytes, int],
-              special: dict[str, int]) -> tiktoken.Encoding:
-    if not isinstance(special, dict) or EOT not in special:
-        raise DataError(f"tokenizer {name!r} has no {EOT} special token; add it to the "
+def make_encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
+              eot: str = EOT, bos: str | None = None, normalizer: str | None = None) -> Encoding:
+    if not isinstance(special, dict) or eot not in special or (bos is not None and bos not in special):
+        raise DataError(f"tokenizer {name!r} has no {eot} special token; add it to the "
                         "special_tokens of its sidecar/tokenizer.json")
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in special.values()):
         raise DataError(f"tokenizer {name!r}: its special token ids are not all integers >= 0; "
                         "fix the special_tokens of its sidecar/tokenizer.json")
+    if normalizer not in (None, "NFC"):
+        raise DataError(f"tokenizer {name!r}: normalizer {normalizer!r} is not supported (NFC is)")
     ids = set(ranks.values())
     if clash := sorted(str(t) for t, i in special.items() if i in ids):
         raise DataError(f"tokenizer {name!r}: special token {clash[0]} has the id of a "
                         "mergeable token; give special tokens ids past the ranks")
     check_id_range(name, ids | set(special.values()))
     try:
-        enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
-                                special_tokens=special)
+        enc = Encoding(name, pattern, ranks, special, eot, bos, normalizer)
     except Exception as e:  # tiktoken's Rust core raises on bad patterns or clashing ids
         raise DataError(f"tokenizer {name!r} is inconsistent ({e}); check its pattern and "
                         "special token ids") from None
-    _probe_pattern(enc)
+    probe_pattern(enc)
     return enc
 
 
-def check_id_range(name: str, ids: set[int]) -> None:
-    """The ids run from 0 to n_vocab - 1 with at most as many unused ids as used ones: n_vocab
-    sizes the model's embedding and every per-id table, so one id of 2**32 in a 5 KB file
-    would make them 16 GiB. (cl100k leaves 16 of 100,277 unused.)"""
-    top = max(ids)
-    if min(ids) < 0 or top + 1 > 2 * len(ids):
-        raise DataError(f"tokenizer {name!r} gives ids up to {top:,} but has only {len(ids):,} "
-                        "tokens: most of its vocabulary would be unused ids, sizing the model by "
-                        "a figure the file does not hold; number its tokens from 0 without gaps")
-
-
-def _probe_pattern(enc: tiktoken.Encoding) -> None:
-    """Encode PROBE_TEXT with stderr closed to the Rust panic's message; a panic is refused."""
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    failure = None
-    try:
-        os.dup2(null, 2)
-        enc.encode_ordinary(PROBE_TEXT)
-    except BaseException as e:  # pyo3's PanicException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        failure = e
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-    if failure is not None:
-        first = (str(failure).splitlines() or [""])[0][:120]
-        raise DataError(f"tokenizer {enc.name!r}: its split pattern fails on plain text "
-                        f"({type(failure).__name__}: {first}); a pattern must never match the "
-                        "empty string nor backtrack without bound: fix its pattern") from None
+def fits_model(meta: dict, model_vocab: int) -> bool:
+    """Whether a tokenizer (its tokenizer.json or manifest record) is a model's: the same number of
+    ids, or for a Hugging Face tokenizer no more (Qwen pads its table past its tokenizer's ids)."""
+    n_vocab = meta.get("n_vocab", meta.get("vocab_size"))
+    return n_vocab == model_vocab or (meta.get("kind") == "hf" and n_vocab < model_vocab)
 
 
 def eot_id(enc: tiktoken.Encoding) -> int:
-    """The id of `<|endoftext|>`, the token that separates documents."""
+    """The id of the end-of-text token (`<|endoftext|>`, or a Hugging Face tokenizer's EOS),
+    the token that separates documents."""
+    name = getattr(enc, "eot_name", EOT)  # a plain tiktoken Encoding: `<|endoftext|>`
     try:
-        return enc._special_tokens[EOT]  # tiktoken's only accessor, `eot_token`, is the same
+        return enc._special_tokens[name]  # tiktoken's only accessor, `eot_token`, is the same
     except KeyError:
-        raise DataError(f"tokenizer {enc.name!r} has no {EOT} token; use one that does") from None
+        raise DataError(f"tokenizer {enc.name!r} has no {name} token; use one that does") from None
+
+
+def bos_id(enc: tiktoken.Encoding) -> int | None:
+    """The id of the BOS the tokenizer puts before every text (Llama 3's), None without one."""
+    name = getattr(enc, "bos_name", None)
+    return None if name is None else enc._special_tokens[name]
+
+
+def doc_start(enc: tiktoken.Encoding) -> list[int]:
+    """The ids before every document in the shards: end-of-text, then the BOS if any."""
+    return [eot_id(enc)] + ([] if bos_id(enc) is None else [bos_id(enc)])
 
 
 def encode_prompt(enc: tiktoken.Encoding, text: str) -> list[int]:
     """`text` as the beginning of a document: every document in the shards starts with
-    end-of-text, so a prompt does too (what the trainer's samples and `lmforge sample` feed)."""
+    `doc_start`, so a prompt does too (what the trainer's samples and `lmforge sample` feed)."""
     try:
-        return [eot_id(enc), *enc.encode_ordinary(text)]
-    except BaseException as e:  # a panic PROBE_TEXT did not provoke
+        return [*doc_start(enc), *enc.encode_ordinary(text)]
+    except BaseException as e:  # a panic tokenizer_checks' probe did not provoke
         if isinstance(e, (Exception, KeyboardInterrupt, SystemExit)):
             raise
         raise DataError(f"tokenizer {enc.name!r} failed on this prompt ({e}); its split pattern "
@@ -266,7 +295,8 @@ def token_byte_lengths(enc: tiktoken.Encoding) -> np.ndarray:
 def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
                        name: str) -> dict:
     """Write DIR/vocab.tiktoken and DIR/tokenizer.json; returns the tokenizer.json dict.
-    `kind` says where it came from: "tiktoken" (a name), "file" (a .tiktoken path) or "bpe"."""
+    `kind` says where it came from: "tiktoken" (a name), "file" (a .tiktoken path), "bpe" or
+    "hf" (a Hugging Face tokenizer.json)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     check_dir(directory, what="tokenizer directory")  # a link to one elsewhere is not written
@@ -276,11 +306,15 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
     atomic_write_bytes(directory / VOCAB_FILE, [b"".join(lines)])
     meta = {
         "name": name, "kind": kind, "pattern": enc._pat_str,
-        "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc),
+        "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc), "bos_id": bos_id(enc),
+        "normalizer": getattr(enc, "normalizer", None),
         "n_vocab": enc.n_vocab, "vocab_size": enc.n_vocab,
         "sha256": file_sha256(directory / VOCAB_FILE),
     }
     atomic_write_bytes(directory / META_FILE, [(json.dumps(meta, indent=2) + "\n").encode()])
+    for file, data in getattr(enc, "hf_files", {}).items():
+        (directory / HF_FILES).mkdir(exist_ok=True)
+        atomic_write_bytes(directory / HF_FILES / file, [data])
     return meta
 
 
@@ -318,7 +352,10 @@ def load_tokenizer_dir(directory: Path | str) -> tiktoken.Encoding:
                                            meta["n_vocab"])
     except KeyError as e:
         raise DataError(f"{directory / META_FILE} lacks {e}; re-run `lmforge prepare`") from None
-    enc = _encoding(name, pattern, _parse_ranks(vocab, directory / VOCAB_FILE), special)
+    names = {i: t for t, i in special.items()} if isinstance(special, dict) else {}
+    eot, bos = names.get(meta.get("eot_id"), EOT), names.get(meta.get("bos_id"))
+    enc = make_encoding(name, pattern, _parse_ranks(vocab, directory / VOCAB_FILE), special, eot, bos,
+                    meta.get("normalizer"))
     if enc.n_vocab != n_vocab:
         raise DataError(f"{directory}: n_vocab {enc.n_vocab} != {n_vocab} in {META_FILE}; "
                         "copy the tokenizer directory again from the dataset")
@@ -366,7 +403,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, name: str | None = None) ->
     tok = rustbpe.Tokenizer()
     tok.train_from_iterator(iter(texts), vocab_size - 1, pattern=CL100K_PATTERN)
     ranks = {bytes(b): r for b, r in tok.get_mergeable_ranks()}
-    return _encoding(name or f"bpe{next_id(ranks) + 1}", CL100K_PATTERN, ranks, {EOT: next_id(ranks)})
+    return make_encoding(name or f"bpe{next_id(ranks) + 1}", CL100K_PATTERN, ranks, {EOT: next_id(ranks)})
 
 
 def bpe_size(spec: str) -> int | None:

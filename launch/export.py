@@ -27,7 +27,16 @@ from pathlib import Path
 from data_prep.errors import is_disk_full
 from data_prep.safe_files import check_writable
 from data_prep.shards import check_dir_path, copy_plain_tree
-from data_prep.tokenizer import EOT, VOCAB_FILE, eot_id, load_tokenizer_dir, read_tokenizer_meta
+from data_prep.tokenizer import (
+    EOT,
+    HF_FILES,
+    VOCAB_FILE,
+    Encoding,
+    bos_id,
+    eot_id,
+    load_tokenizer_dir,
+    read_tokenizer_meta,
+)
 from launch.cli import ArgumentParser
 from model.hf import export_hf, hf_config_dict
 from pipeline.config import ConfigError
@@ -108,13 +117,13 @@ def export(ckpt_path: str | Path, out: Path) -> Path:
         hf_config_dict(ckpt.config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    eot = eot_id(load_tokenizer_dir(ckpt.tokenizer_dir))
+    enc = load_tokenizer_dir(ckpt.tokenizer_dir)
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # A directory of this process's own beside OUT: nothing of the user's is ever in the way.
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-        write_export(ckpt, eot, tmp)
+        write_export(ckpt, enc, tmp)
         if out.is_dir():  # empty, or a previous export (check_replaceable)
             shutil.rmtree(out)
         tmp.rename(out)
@@ -144,14 +153,19 @@ def disk_full(out: Path, ckpt: LoadedCheckpoint) -> ConfigError:
                        "MB); nothing was replaced: free space, or give --hf on another disk")
 
 
-def write_export(ckpt: LoadedCheckpoint, eot: int, tmp: Path) -> None:
+def write_export(ckpt: LoadedCheckpoint, enc: Encoding, tmp: Path) -> None:
     copy_plain_tree(ckpt.tokenizer_dir, tmp / TOKENIZER_COPY)  # first: it refuses symlinks
-    export_hf(ckpt.model, ckpt.config, tmp, eos_token_id=eot)
-    try:
-        save_hf_tokenizer(ckpt.tokenizer_dir, tmp, ckpt.config.max_seq_len)
-    except ImportError:  # transformers converts the vocabulary; the weights need only safetensors
-        print("note: transformers is not installed, so no tokenizer.json was written "
-              "(pip install 'lmforge[hf]'); the vocabulary is in lmforge_tokenizer/", file=sys.stderr)
+    export_hf(ckpt.model, ckpt.config, tmp, eos_token_id=eot_id(enc), bos_token_id=bos_id(enc))
+    hf_own = tmp / TOKENIZER_COPY / HF_FILES
+    if hf_own.is_dir():  # from a Hugging Face tokenizer (hf:DIR): its own files, as given
+        for f in hf_own.iterdir():
+            shutil.copyfile(f, tmp / f.name)
+    else:
+        try:
+            save_hf_tokenizer(ckpt.tokenizer_dir, tmp, ckpt.config.max_seq_len)
+        except ImportError:  # transformers converts the vocabulary; the weights need only safetensors
+            print("note: transformers is not installed, so no tokenizer.json was written (pip "
+                  "install 'lmforge[hf]'); the vocabulary is in lmforge_tokenizer/", file=sys.stderr)
     marker = {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "model": ckpt.config.to_dict()}
     (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 

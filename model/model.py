@@ -37,11 +37,14 @@ class ModelConfig:
     n_layer: int = 4
     """Transformer blocks."""
     n_head: int = 4
-    """Query heads; d_model / n_head is the head dimension (even, for RoPE)."""
+    """Query heads; d_model / n_head is the head dimension (even, for RoPE) unless d_head says."""
     n_kv_head: int = 4
     """Key/value heads: n_head = MHA, fewer = GQA, 1 = MQA. Must divide n_head."""
     d_model: int = 256
     """Width of the residual stream (and of the tied token embedding)."""
+    d_head: int | None = None
+    """Per-head dimension; None = d_model / n_head. Set apart from it only to load a model that
+    does so (Qwen3-0.6B: 128 at d_model 1024 with 16 heads)."""
     d_mlp: int | None = None
     """MLP hidden size; None = 8/3·d_model rounded up to a multiple of 64 (SwiGLU) or 4·d_model (GELU)."""
     mlp: str = "swiglu"
@@ -79,11 +82,13 @@ class ModelConfig:
             raise ValueError(f"model.max_seq_len must be <= {MAX_SEQ_LEN:,}, got {self.max_seq_len:,}")
         if self.vocab_size < 0:
             raise ValueError(f"model.vocab_size must be >= 0 (0 = set later), got {self.vocab_size}")
+        if self.d_head is not None and self.d_head <= 0:
+            raise ValueError(f"model.d_head must be positive or None, got {self.d_head}")
         if self.d_mlp is not None and self.d_mlp <= 0:
             raise ValueError(f"model.d_mlp must be positive or None, got {self.d_mlp}")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"model.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
-        if self.d_model % self.n_head:
+        if self.d_head is None and self.d_model % self.n_head:
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                 "pick sizes where d_model % n_head == 0"
@@ -108,7 +113,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.d_model // self.n_head if self.d_head is None else self.d_head
 
     @property
     def padded_vocab_size(self) -> int:

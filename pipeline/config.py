@@ -19,6 +19,7 @@ from typing import Any, Literal
 from data_prep.shards import atomic_write_bytes
 from model.generate import SamplingError, SamplingParams
 from model.model import ModelConfig
+from pipeline.checkpoint.hf_init import init_from_model
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.data.config import DATA_KEYS, DataConfig, validate_data
 from pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
@@ -160,6 +161,10 @@ class CheckpointConfig:
     """Keep the newest K checkpoints."""
     resume: str = "none"
     """none = start fresh; auto = newest complete checkpoint in the run dir, if any; or a path."""
+    init_from: str = ""
+    """A Hugging Face Llama / Qwen3 directory (config.json + safetensors) to start from: the
+    model is config.json's (it replaces [model]), its weights load at step 0 with a fresh
+    optimizer. "" = random initialisation."""
     async_save: bool = True
     """Write checkpoints in the background: the saving step only copies the state to host memory
     (it stalls less: bench/results/checkpoint_stall_avx512.txt); the checkpoint completes (renamed,
@@ -223,7 +228,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         for key in DATA_KEYS:
             if f"data.{key}" not in named:
                 d.get("data", {}).pop(key, None)
-    return config_from_dict(apply_overrides(JobConfig, d, list(overrides)))
+    d, overrides = init_from_model(d, list(overrides))  # [model] from its config.json
+    return config_from_dict(apply_overrides(JobConfig, d, overrides))
 
 
 def table_lrs(o: OptimConfig) -> dict[str, float]:

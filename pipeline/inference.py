@@ -9,6 +9,7 @@ and its tokenizer's ids the model's vocabulary.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +19,16 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from data_prep.errors import DataError
-from data_prep.tokenizer import read_tokenizer_meta
+from data_prep.tokenizer import (
+    HF_PREFIX,
+    fits_model,
+    load_tokenizer,
+    read_tokenizer_meta,
+    save_tokenizer_dir,
+)
 from model import GPT, ModelConfig
 from pipeline.checkpoint.format import CheckpointMeta, read_meta, resolve
+from pipeline.checkpoint.hf_init import hf_dir, load_hf_model
 from pipeline.checkpoint.safe_dcp import (
     SafeFileSystemReader,
     load_into,
@@ -28,6 +36,7 @@ from pipeline.checkpoint.safe_dcp import (
     refusal,
     single_process_ok,
 )
+from pipeline.config import JobConfig
 from pipeline.parallel.materialize import meta_gpt
 
 WEIGHTS_FILE = "model.safetensors"
@@ -39,6 +48,7 @@ class LoadedCheckpoint:
     path: Path
     tokenizer_dir: Path
     meta: CheckpointMeta
+    scratch: tempfile.TemporaryDirectory | None = None  # holds tokenizer_dir of an hf:DIR
 
     @property
     def config(self) -> ModelConfig:
@@ -51,7 +61,9 @@ class LoadedCheckpoint:
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Any checkpoint the pipeline writes (an export, or DCP from any number of ranks) -> a
-    plain GPT in eval mode on `device`."""
+    plain GPT in eval mode on `device`; `hf:DIR` a Hugging Face model directory."""
+    if (directory := hf_dir(path)) is not None:
+        return load_hf(directory, device)
     ckpt = resolve(path)
     meta = read_meta(ckpt)
     check_tokenizer_fits(ckpt / "tokenizer", meta.model)
@@ -75,6 +87,18 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     return LoadedCheckpoint(model=model, path=ckpt, tokenizer_dir=ckpt / "tokenizer", meta=meta)
 
 
+def load_hf(directory: Path, device: str | torch.device) -> LoadedCheckpoint:
+    """A Hugging Face directory as a checkpoint at step 0: its weights (hf_init's checks), and its
+    tokenizer.json converted into a tokenizer directory of a scratch folder."""
+    model = load_hf_model(directory, device)
+    scratch = tempfile.TemporaryDirectory(prefix="lmforge-hf-tokenizer-")
+    enc = load_tokenizer(f"{HF_PREFIX}{directory}")
+    save_tokenizer_dir(enc, scratch.name, "hf", enc.name)
+    check_tokenizer_fits(Path(scratch.name), model.cfg)
+    meta = CheckpointMeta(step=0, model=model.cfg, config=JobConfig(model=model.cfg), lineage="hf")
+    return LoadedCheckpoint(model, directory, Path(scratch.name), meta, scratch)
+
+
 def check_tokenizer_fits(tokenizer_dir: Path, cfg: ModelConfig) -> None:
     """The checkpoint's tokenizer (when it has one) is the model's: the trainer builds the model
     with exactly its ids (pipeline.data.windows refuses data of any other vocabulary)."""
@@ -85,7 +109,7 @@ def check_tokenizer_fits(tokenizer_dir: Path, cfg: ModelConfig) -> None:
         n_vocab, eot = int(tok["n_vocab"]), int(tok["eot_id"])
     except (DataError, KeyError, TypeError, ValueError) as e:
         raise refusal(tokenizer_dir, f"its tokenizer is unreadable ({e})") from None
-    if not 0 <= eot < n_vocab == cfg.vocab_size:
+    if not (0 <= eot < n_vocab and fits_model(tok, cfg.vocab_size)):
         raise refusal(tokenizer_dir, f"its tokenizer has {n_vocab} ids (end-of-text {eot}) for a "
                                      f"model of vocabulary {cfg.vocab_size}; the tokenizer is not "
                                      "the one the model was trained with")

@@ -23,6 +23,7 @@ from model import GPT, ModelConfig
 from pipeline import attention, budget
 from pipeline.checkpoint import format as ckpt
 from pipeline.checkpoint.async_writer import Checkpointer
+from pipeline.checkpoint.hf_init import start_from
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import (
     DataConfig,
@@ -143,6 +144,9 @@ class Trainer:
         self.step, self.bad_steps = 0, 0
         self.step_record: dict | None = None  # the last step's training record (see meta)
         self.lineage, self.parent_step = ckpt.new_lineage(), None
+        self.source = None  # the Hugging Face model the run started from (checkpoint.init_from)
+        if cfg.checkpoint.init_from and resume_meta is None:
+            self.source = start_from(self.model, Path(cfg.checkpoint.init_from))
         if resume_meta is not None:
             self._resume(resume_from, resume_meta)
 
@@ -170,7 +174,7 @@ class Trainer:
         self.data.loader.load_state_dict(meta.loader)
         self.step, self.bad_steps = meta.step, meta.bad_steps
         self.step_record = meta.record
-        self.lineage, self.parent_step = meta.lineage, meta.step
+        self.lineage, self.parent_step, self.source = meta.lineage, meta.step, meta.source
         self.length.keep_fixed(meta.config)
         self._rebind(self.length.cfg)
         log.info("resumed from %s at step %d (written by %d ranks)", where, self.step,
@@ -262,7 +266,7 @@ class Trainer:
             step=self.step, model=self.model_cfg, config=self.cfg, lineage=self.lineage,
             parent_step=self.parent_step, world_size=self.info.world_size,
             bad_steps=self.bad_steps, loader=self.data.loader.state_dict() if with_loader else None,
-            record=self.step_record if with_loader else None,
+            record=self.step_record if with_loader else None, source=self.source,
         )
 
     def _guarded(self, what: str, hook):
@@ -334,6 +338,10 @@ class Trainer:
     def _log_start(self) -> None:
         if self.info.is_main:
             log.info("%s", self.model.summary())
+            if self.source and self.parent_step is None:
+                log.info("model: %s/config.json (replaces the config's [model]); weights from its "
+                         "%d safetensors files (sha256 in meta.json)", self.source["path"],
+                         len(self.source["sha256"]))
             log.info("%s", describe(self.cfg, self.derived, self.model.num_params()))
             log.info("parallel=%s world=%d device=%s dtype=%s", self.parallel.mode,
                      self.info.world_size, self.info.device, dtype_name(self.precision.dtype))

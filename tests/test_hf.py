@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import GPT, ModelConfig
-from model.hf import export_hf, hf_config_dict, import_hf
+from model.hf import export_hf, hf_config_dict
+from pipeline.checkpoint.hf_init import load_hf_model
+from pipeline.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,7 +58,7 @@ def test_export_matches_transformers(tmp_path, n_kv_head, tie):
     assert ours.std() > 1  # logits far from flat: the comparison has something to compare
     assert (ours - theirs).abs().max() < TOL
     with torch.no_grad():
-        back = import_hf(tmp_path)(idx)
+        back = load_hf_model(tmp_path)(idx)
     assert (back - ours).abs().max() < TOL
 
 
@@ -90,7 +92,7 @@ def test_import_of_hf_initialised_llama(tmp_path, n_kv_head):
     )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     hf.save_pretrained(tmp_path)
-    ours = import_hf(tmp_path)
+    ours = load_hf_model(tmp_path)
     assert ours.cfg.n_kv_head == n_kv_head and ours.cfg.mlp_hidden == 96
     idx = torch.randint(0, 150, (2, 40))
     with torch.no_grad():
@@ -117,8 +119,8 @@ def test_import_refuses_unsupported_variants(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_type"):
-        import_hf(tmp_path)
+    with pytest.raises(CheckpointError, match='rope_parameters = .*"linear"'):
+        load_hf_model(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------

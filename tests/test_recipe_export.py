@@ -11,8 +11,9 @@ import torch
 
 from launch.cli import main as lmforge
 from model import GPT, ModelConfig
-from model.hf import export_hf, hf_config_dict, import_hf
+from model.hf import export_hf, hf_config_dict
 from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
+from pipeline.checkpoint.hf_init import load_hf_model
 from pipeline.config import config_from_dict
 from tests.errors import cli_error
 from tests.test_hf import TOL, VOCAB, with_large_weights
@@ -48,7 +49,7 @@ def test_qk_norm_exports_as_qwen3_with_the_same_logits(tmp_path, n_kv_head, tie)
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     idx = torch.randint(0, VOCAB, (2, 33))
     with torch.no_grad():
-        ours, theirs, back = model(idx), hf(idx).logits, import_hf(tmp_path)(idx)
+        ours, theirs, back = model(idx), hf(idx).logits, load_hf_model(tmp_path)(idx)
     assert ours.std() > 1
     assert (ours - theirs).abs().max() < TOL
     assert (back - ours).abs().max() < TOL

@@ -77,13 +77,16 @@ class CheckpointMeta:
     # The step's training record: the last step saves before logging it, so a kill in between
     # loses nothing (resume writes it back). Optional: checkpoints without it still read.
     record: dict | None = None
+    # The Hugging Face model the line started from (checkpoint.init_from): its path and each
+    # weights file's sha256; None for a random start.
+    source: dict | None = None
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "step": self.step,
                 "model": self.model.to_dict(), "config": config_to_dict(self.config),
                 "lineage": self.lineage, "parent_step": self.parent_step,
                 "world_size": self.world_size, "bad_steps": self.bad_steps, "loader": self.loader,
-                "record": self.record}
+                "record": self.record, "source": self.source}
 
     @classmethod
     def from_json(cls, d: dict, where: Path) -> CheckpointMeta:
@@ -100,6 +103,7 @@ class CheckpointMeta:
                 config=config_from_dict(d["config"]), lineage=str(d["lineage"]),
                 parent_step=d["parent_step"], world_size=int(d["world_size"]),
                 bad_steps=int(d["bad_steps"]), loader=d["loader"], record=d.get("record"),
+                source=d.get("source"),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as e:
             raise CheckpointError(f"{where}/meta.json is invalid ({type(e).__name__}: {e}); use "

@@ -11,6 +11,7 @@ import numpy as np
 
 from data_prep.errors import DataError
 from data_prep.shards import ShardError, check_shard, load_manifest, map_tokens
+from data_prep.tokenizer import fits_model
 
 
 class TokenWindows:
@@ -20,7 +21,8 @@ class TokenWindows:
                  expected_vocab_size: int | None):
         """`expected_vocab_size`: the model's vocabulary; None or 0 skips the check."""
         manifest = load_manifest(data_dir)
-        if expected_vocab_size and manifest.vocab_size != expected_vocab_size:
+        if expected_vocab_size and not fits_model(manifest.tokenizer | {"n_vocab": manifest.vocab_size},
+                                                  expected_vocab_size):
             raise DataError(
                 f"data vocab {manifest.vocab_size} vs model vocab {expected_vocab_size} in "
                 f"{data_dir}; set model.vocab_size = {manifest.vocab_size} (or 0 to take it from "

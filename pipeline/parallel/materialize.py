@@ -50,12 +50,17 @@ class _DrawWholeOnCpu(TorchFunctionMode):
             func(whole, *args[1:], **kwargs)
         else:
             func(**{**kwargs, "tensor": whole})
-        if isinstance(target, DTensor):
-            # src_data_rank=None: every rank holds the same whole tensor and keeps its own part,
-            # no communication.
-            part = distribute_tensor(whole, target.device_mesh, target.placements,
-                                     src_data_rank=None).to_local()
-            target.to_local().copy_(part)
-        else:
-            target.copy_(whole)
-        return target
+        return copy_whole(target, whole)
+
+
+def copy_whole(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """Copy a whole tensor into `target`: a plain tensor, or this rank's part of a DTensor."""
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank holds the same whole tensor and keeps its own part,
+        # no communication.
+        part = distribute_tensor(whole, target.device_mesh, target.placements,
+                                 src_data_rank=None).to_local()
+        target.to_local().copy_(part)
+    else:
+        target.copy_(whole)
+    return target
