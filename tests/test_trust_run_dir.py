@@ -8,7 +8,9 @@ read or written."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 import stat
@@ -18,14 +20,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from bench.runs import ROOT, env, metrics, run_args
+from launch.cli import main as cli
 from pipeline.checkpoint import lock as lock_module
 from pipeline.checkpoint.lock import run_lock
 from pipeline.checkpoint.run_dir import RunDir
+from pipeline.metrics import get_logger
 from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
 from tests.test_checkpoint_lineage import cfg_for
+from tests.test_checkpoint_trust import read_metadata, write_metadata
+from tests.test_disk_full import tmpfs
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 STEP = "checkpoints/step_00000002"
@@ -46,9 +54,12 @@ def run(trained, tmp_path) -> Path:
 
 def train(capsys, *args) -> tuple[int, str]:
     """`lmforge train ARGS` in this process: (exit status, stderr)."""
-    from launch.cli import main as lmforge
-
-    rc = lmforge(["train", *map(str, args)])
+    try:
+        rc = cli(["train", *map(str, args)])
+    finally:  # the run's train.log stays open in the logger until the next run: close it
+        for handler in [h for h in get_logger().handlers if isinstance(h, logging.FileHandler)]:
+            get_logger().removeHandler(handler)
+            handler.close()
     return rc, capsys.readouterr().err
 
 
@@ -99,13 +110,45 @@ def test_a_lock_that_cannot_be_opened_is_one_line(kind, run, tiny_data, tmp_path
         rc, err = resume(capsys, tiny_data, run)
         refused(rc, err, "lock", "a directory")
         return
-    from tests.test_disk_full import tmpfs
-
     with tmpfs(tmp_path / "ro", 16 << 20) as mnt:
         shutil.copytree(run, mnt / "run")
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
         rc, err = resume(capsys, tiny_data, mnt / "run")
         refused(rc, err, "lock", "Read-only file system")
+
+
+# ---- 2. each element of a DCP tensor is stored exactly once --------------------------------------
+
+
+@pytest.mark.parametrize("how", ["listed_twice", "overlapping"])
+def test_a_checkpoint_whose_chunks_count_rows_twice_is_refused(how, run, tiny_data, capsys):
+    """Half of the embedding's rows, listed twice (or a second chunk over rows already stored):
+    the chunks add up to the tensor, yet rows are unstored and would keep their random init."""
+    step = run / STEP
+    md = read_metadata(step)
+    key = "model.tok_emb.weight"
+    rows, cols = md.state_dict_metadata[key].size
+    half = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([rows // 2, cols]))
+    if how == "listed_twice":
+        md.state_dict_metadata[key].chunks = [half, half]
+    else:  # the whole tensor, then its second half again, stored after the file's end
+        second = ChunkStorageMetadata(torch.Size([rows // 2, 0]), torch.Size([rows // 2, cols]))
+        md.state_dict_metadata[key].chunks.append(second)
+        storage, payload = step / "__0_0.distcp", io.BytesIO()
+        torch.save(torch.zeros(rows // 2, cols), payload)
+        end = storage.stat().st_size
+        with open(storage, "ab") as f:
+            f.write(payload.getvalue())
+        md.storage_data[MetadataIndex(key, second.offsets)] = _StorageInfo(
+            "__0_0.distcp", end, len(payload.getvalue()))
+    write_metadata(step, md)
+    for argv in (["eval", "--ckpt", str(step), "--data", str(tiny_data), "--max-tokens", "128"],
+                 ["sample", "--ckpt", str(step), "--prompt", "x", "--max-new-tokens", "2"]):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        refused(2, err, "refusing to load", key, "twice")
+    rc, err = resume(capsys, tiny_data, run)
+    refused(rc, err, key, "twice")
 
 
 # ---- 6. a refused start deletes nothing it did not create -----------------------------------------
@@ -287,3 +330,29 @@ def test_every_file_kind_in_a_run_directory_is_refused_in_one_line(name, kind, r
     else:
         refused(rc, err, str(run / name))
     assert {p: snapshot(p) for p in outside.rglob("*") if p.is_file()} == before
+
+
+# ---- 12, 17. a full or read-only disk under the run directory --------------------------------------
+
+
+def test_a_full_disk_during_a_synchronous_muon_checkpoint_is_one_line(tiny_data, tmp_path):
+    with tmpfs(tmp_path / "mnt", 1 << 20) as mnt:  # less than one checkpoint
+        # A process of its own: the failed run's files must be closed before the unmount.
+        proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", *run_args(
+            tiny_data, mnt / "run", "--optim.name", "muon", "--checkpoint.async_save", "false",
+            "--eval.every", "0", "--train.max_steps", "2")], cwd=ROOT, env=env(),
+            capture_output=True, text=True, timeout=300)
+        refused(proc.returncode, proc.stderr, "no space left on device writing",
+                "a checkpoint needs ~", "no checkpoint of this run is complete")
+        assert not list((mnt / "run" / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("disk", ["read_only", "full"])
+def test_an_unwritable_or_full_run_directory_is_one_line(disk, tiny_data, tmp_path, capsys):
+    with tmpfs(tmp_path / "mnt", 8 << 10) as mnt:  # two pages: the lock's, then train.log's
+        if disk == "read_only":
+            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        rc, err = train(capsys, *run_args(tiny_data, mnt / "run", "--train.max_steps", "2"))
+        refused(rc, err, "cannot write", "Read-only file system" if disk == "read_only"
+                else "No space left on device")
+        assert not RunDir(mnt / "run").lock.exists()

@@ -126,9 +126,10 @@ def _check_tensor(key: str, entry: TensorStorageMetadata, storage: dict, where: 
                                  f"of a chunk stored in {info.length:,}")
         covered += numel
     if covered != math.prod(size) or not _disjoint(entry.chunks):
-        raise refusal(where, f"the chunks of tensor {key!r} {size} do not cover its "
-                             f"{math.prod(size):,} elements exactly once ({covered:,} in all); "
-                             "rows left unstored would keep their random initialisation")
+        raise refusal(where, f"the chunks of tensor {key!r} {size} cover {covered:,} of its "
+                             f"{math.prod(size):,} elements, some of them twice or not at all; "
+                             "each must be stored exactly once (an unstored row would keep its "
+                             "random initialisation)")
 
 
 def _disjoint(chunks: list[ChunkStorageMetadata]) -> bool:
