@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from data_prep.errors import DataError
+from data_prep.safe_files import open_file
 
 FORMAT_VERSION = 1
 MAGIC = b"LMFSHARD"
@@ -106,8 +107,9 @@ def atomic_write_bytes(path: Path, chunks, sha=None, per_process: bool = False) 
     a temp name of this process's own, for a file that several processes may write at once."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if per_process else f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
+    f = open_file(tmp, "wb", what="temporary file")  # refused (a link left there) before any
+    try:  # write or removal
+        with f:
             for chunk in chunks:
                 f.write(chunk)
                 if sha is not None:

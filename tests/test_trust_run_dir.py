@@ -356,3 +356,58 @@ def test_an_unwritable_or_full_run_directory_is_one_line(disk, tiny_data, tmp_pa
         refused(rc, err, "cannot write", "Read-only file system" if disk == "read_only"
                 else "No space left on device")
         assert not RunDir(mnt / "run").lock.exists()
+
+
+DIRS = ["checkpoints", STEP, f"{STEP}/tokenizer", "checkpoints/abandoned", "final",
+        "final/tokenizer", "final.tmp"]
+
+
+@pytest.mark.parametrize("kind", ["link_to_dir", "file"])
+@pytest.mark.parametrize("name", DIRS)
+def test_every_directory_of_a_run_that_is_a_link_or_a_file_is_refused(name, kind, run, tiny_data,
+                                                                      tmp_path, capsys):
+    """A link to a genuine copy (followed, it would resume) or a file where a directory belongs."""
+    path, outside = run / name, tmp_path / "outside"
+    if path.exists():
+        shutil.move(path, outside)
+    else:
+        outside.mkdir()
+    (outside / "mine").write_text("precious\n")
+    if kind == "link_to_dir":
+        path.symlink_to(outside)
+    else:
+        path.write_text("x")
+    before = files_of(outside)
+    rc, err = resume(capsys, tiny_data, run)
+    if kind == "file" and name.endswith("tokenizer"):  # a resume reads the data's, and final/
+        assert rc == 0, err[-3000:]  # is replaced whole: nothing is read or written there
+    else:
+        refused(rc, err, str(path))
+    assert files_of(outside) == before
+
+
+def test_a_link_left_at_the_configs_temporary_name_is_refused(run, tiny_data, tmp_path, capsys):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("precious\n")
+    before = snapshot(secret)
+    (run / ".config.toml.tmp").symlink_to(secret)
+    rc, err = resume(capsys, tiny_data, run)
+    refused(rc, err, ".config.toml.tmp", "symbolic link")
+    assert snapshot(secret) == before and (run / ".config.toml.tmp").is_symlink()
+
+
+def test_the_path_a_user_names_may_be_a_link_nothing_inside_it_is_followed(run, tiny_data,
+                                                                         tmp_path, capsys):
+    link = tmp_path / "latest"
+    link.symlink_to(run / STEP)
+    assert cli(["eval", "--ckpt", str(link), "--data", str(tiny_data), "--max-tokens", "128"]) == 0
+    run_link = tmp_path / "run_link"
+    run_link.symlink_to(run)
+    rc, err = resume(capsys, tiny_data, run_link)
+    assert rc == 0, err[-3000:]
+
+
+def test_the_largest_seed_trains(tiny_data, tmp_path, capsys):
+    rc, err = train(capsys, *run_args(tiny_data, tmp_path / "run", "--train.seed", str(2**64 - 1),
+                                      "--train.max_steps", "1", "--eval.every", "0"))
+    assert rc == 0, err[-3000:]

@@ -178,6 +178,7 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint path {p} does not exist; pass a run directory or a checkpoint")
+    p = p.resolve()  # the path the user named may be a link; nothing inside it is followed
     if p.is_file():
         p = p.parent
     if _has_meta(p):

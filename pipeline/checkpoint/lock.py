@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from data_prep.errors import DataError
-from data_prep.safe_files import check_dir, check_file, open_fd
+from data_prep.safe_files import check_file, open_fd
 from data_prep.shards import check_dir_path
 from pipeline.checkpoint.run_dir import RunDir, check_run_dir
 from pipeline.typed_config import ConfigError
@@ -98,8 +98,7 @@ def _make_dir(run_dir: Path) -> bool:
     try:
         run_dir.mkdir(parents=True)
         return True
-    except FileExistsError:
-        check_dir(run_dir, what="--log.out_dir")
+    except FileExistsError:  # a directory (check_dir_path), or a link the user named to one
         return False
     except OSError as e:
         raise _unwritable(run_dir, e) from None

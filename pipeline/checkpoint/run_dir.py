@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_prep.safe_files import check_file, check_tree
+from data_prep.safe_files import check_dir, check_file, check_tree
 
 
 class RunDir:
@@ -23,13 +23,16 @@ class RunDir:
 
 def check_run_dir(root: str | Path) -> None:
     """Rank 0, holding the lock, before it writes anything: each file lmforge writes in the run
-    directory absent or a regular file with one name, and checkpoints/ and final/ absent or
-    directories of directories and regular files (safe_files.UnsafeFile otherwise). A link there
-    would carry a write (metrics.jsonl appended, loss.png rewritten) or a read outside, a FIFO
-    would hang the run."""
+    directory absent or a regular file with one name, and checkpoints/, final/ and final.tmp/
+    (a crashed export's) absent or directories of directories and regular files
+    (safe_files.UnsafeFile otherwise). A link there would carry a write (metrics.jsonl appended,
+    loss.png rewritten) or a read outside; a FIFO would hang the run."""
     run = RunDir(root)
     for path in (run.config, run.log, run.metrics, run.loss_plot):
         check_file(path, what="run file", writing=True)
-    for tree in (run.checkpoints, run.final):
+    for tree, what in ((run.checkpoints, "checkpoint directory"), (run.final, "final export"),
+                       (run.final.with_name("final.tmp"), "final export")):
         if tree.exists() or tree.is_symlink():
-            check_tree(tree, what="run directory's")
+            check_tree(tree, what=what)
+    if run.abandoned.exists():  # where a rollback moves checkpoints to
+        check_dir(run.abandoned, what="checkpoint directory")
