@@ -136,26 +136,37 @@ def _record_step(line: bytes) -> int | None:
     return step if isinstance(step, int) else None
 
 
+MAX_RECORD_BYTES = 1 << 24  # a record is a line of numbers (and a step's samples)
+
+
 def trim_metrics(path: Path, last_step: int) -> int:
     """On resume, drop the records a crashed run wrote after the checkpoint it resumes from, and
     the torn lines it may have left (logged): a partial line must not block every resume.
-    Returns the last step still recorded (0: none)."""
+    Streamed line by line (each read bounded) into a temporary file renamed over it, so neither
+    the file's size nor a crash mid-trim costs a record. Returns the last step still recorded."""
     if not check_file(path, what="run file", writing=True):
         return 0
-    with open_file(path, "rb", what="run file") as f:
-        lines = f.read().splitlines()
-    steps = [_record_step(ln) for ln in lines]
-    if torn := [i + 1 for i, step in enumerate(steps) if step is None]:
+    torn, dropped, last = [], 0, 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open_file(path, "rb", what="run file") as src, \
+            open_file(tmp, "wb", what="temporary file") as dst:
+        for n, line in enumerate(iter(lambda: src.readline(MAX_RECORD_BYTES), b""), 1):
+            step = _record_step(line)
+            if step is None:
+                torn.append(n)
+            elif step > last_step:
+                dropped += 1
+            else:
+                dst.write(line.rstrip(b"\n") + b"\n")
+                last = max(last, step)
+    os.replace(tmp, path)
+    if torn:
         get_logger().warning("%s: dropped %d torn line(s) (line %s), written by a run that stopped "
-                    "mid-write", path, len(torn), ", ".join(map(str, torn)))
-    kept = [(ln, step) for ln, step in zip(lines, steps) if step is not None and step <= last_step]
-    if dropped := sum(step is not None and step > last_step for step in steps):
+                             "mid-write", path, len(torn), ", ".join(map(str, torn[:10])))
+    if dropped:
         get_logger().warning("%s: dropped %d record(s) past step %d, written by a run that stopped "
                              "before checkpointing them", path, dropped, last_step)
-    if len(kept) < len(lines):
-        with open_file(path, "wb", what="run file") as f:
-            f.write(b"".join(ln + b"\n" for ln, _ in kept))
-    return max((step for _, step in kept), default=0)
+    return last
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -386,14 +386,15 @@ def test_every_directory_of_a_run_that_is_a_link_or_a_file_is_refused(name, kind
     assert files_of(outside) == before
 
 
-def test_a_link_left_at_the_configs_temporary_name_is_refused(run, tiny_data, tmp_path, capsys):
+@pytest.mark.parametrize("name", [".config.toml.tmp", ".metrics.jsonl.tmp"])
+def test_a_link_left_at_a_temporary_name_is_refused(name, run, tiny_data, tmp_path, capsys):
     secret = tmp_path / "secret.txt"
     secret.write_text("precious\n")
     before = snapshot(secret)
-    (run / ".config.toml.tmp").symlink_to(secret)
+    (run / name).symlink_to(secret)
     rc, err = resume(capsys, tiny_data, run)
-    refused(rc, err, ".config.toml.tmp", "symbolic link")
-    assert snapshot(secret) == before and (run / ".config.toml.tmp").is_symlink()
+    refused(rc, err, name, "symbolic link")
+    assert snapshot(secret) == before and (run / name).is_symlink()
 
 
 def test_the_path_a_user_names_may_be_a_link_nothing_inside_it_is_followed(run, tiny_data,
