@@ -412,3 +412,15 @@ def test_the_largest_seed_trains(tiny_data, tmp_path, capsys):
     rc, err = train(capsys, *run_args(tiny_data, tmp_path / "run", "--train.seed", str(2**64 - 1),
                                       "--train.max_steps", "1", "--eval.every", "0"))
     assert rc == 0, err[-3000:]
+
+
+@pytest.mark.parametrize("command", ["eval", "sample", "export"])
+def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(command, run, tiny_data, tmp_path,
+                                                         capsys):
+    os.mkfifo(run / "final" / "tokenizer" / "notes")  # copying it into an export would hang
+    argv = {"eval": ["--data", str(tiny_data), "--max-tokens", "128"],
+            "sample": ["--prompt", "x", "--max-new-tokens", "2"],
+            "export": ["--hf", str(tmp_path / "hf")]}[command]
+    rc = cli([command, "--ckpt", str(run / "final"), *argv])
+    refused(rc, capsys.readouterr().err, "tokenizer/notes, which is a FIFO")
+    assert not (tmp_path / "hf").exists()
