@@ -267,6 +267,12 @@ def test_a_meta_json_with_a_wrong_type_or_key_is_one_line(field, value, run, tin
     refused(rc, err, "meta.json")
 
 
+def test_a_checkpoint_missing_a_writers_rng_state_is_refused(run, tiny_data, capsys):
+    (run / STEP / "rng_rank00000.pt").unlink()
+    rc, err = resume(capsys, tiny_data, run)
+    refused(rc, err, "rng_rank00000.pt", "missing")
+
+
 # ---- 20. the seed's range -------------------------------------------------------------------------
 
 

@@ -371,15 +371,20 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim: OptimConfig,
 def load_training(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                   info: DistInfo) -> None:
     """Collective: restore model + optimizer (resharding as needed) and this rank's RNG from a
-    checkpoint accepted by `read_resumable`."""
+    checkpoint accepted by `read_resumable`. Every rank that wrote it saved its RNG state: one
+    missing is refused before any weight is read (a rank beyond them draws afresh)."""
+    rng_file = ckpt_dir / f"rng_rank{info.rank:05d}.pt"
+    if not check_file(rng_file, what="checkpoint RNG state") and \
+            info.rank < read_meta(ckpt_dir).world_size:
+        raise refusal(rng_file, "it is missing, and every rank that wrote the checkpoint saved "
+                                "one")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with single_process_ok():
         load_into(state, ckpt_dir, no_dist=not info.is_distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    rng_file = ckpt_dir / f"rng_rank{info.rank:05d}.pt"
-    if check_file(rng_file, what="checkpoint RNG state"):  # absent: more ranks than wrote it
+    if rng_file.exists():
         data = read_bytes(rng_file, MAX_RNG_BYTES, what="checkpoint RNG state")
         try:
             rng = torch.load(io.BytesIO(data), weights_only=True)
