@@ -179,7 +179,7 @@ class Trainer:
         if self.step > (max_steps := self.cfg.train.max_steps):
             raise ConfigError(f"checkpoint {where} is at step {self.step}, past this run's "
                               f"train.max_steps = {max_steps}: there is nothing to train; resume "
-                              f"with --train.max_steps above {self.step}, or resume an earlier "
+                              f"with --train.max_steps {self.step} or more, or resume an earlier "
                               "checkpoint (--resume PATH)")
         log.info("resumed from %s at step %d (written by %d ranks)", where, self.step,
                  meta.world_size)
