@@ -51,7 +51,8 @@ def _refuse(path: Path, is_: str, what: str) -> UnsafeFile:
 
 _FLAGS = {"rb": os.O_RDONLY, "r": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT,
           "w": os.O_WRONLY | os.O_CREAT, "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-          "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "r+b": os.O_RDWR,
+          "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+b": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+          "r+b": os.O_RDWR,
           "w+b": os.O_RDWR | os.O_CREAT}
 
 
@@ -111,6 +112,21 @@ def read_text(path: str | Path, max_bytes: int, *, what: str = "file") -> str:
     except UnicodeDecodeError as e:
         raise UnsafeFile(f"{what} {path} is not UTF-8 text (byte {e.start}); it is corrupt or "
                          "not the file lmforge wrote") from None
+
+
+def check_file(path: str | Path, *, what: str = "file", writing: bool = False) -> bool:
+    """By lstat alone, nothing opened (an open may act on a device: a tape rewinds): False when
+    `path` is absent, True for a regular file (with one name, when it is to be `writing`), else
+    UnsafeFile. For a check before anything is written; the open itself is still open_fd's."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(Path(path), kind_of(st.st_mode), what)
+    if writing and st.st_nlink > 1:
+        raise _refuse(Path(path), f"a file with {st.st_nlink} names (hard links)", what)
+    return True
 
 
 def check_dir(path: str | Path, *, what: str = "directory") -> None:

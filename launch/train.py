@@ -21,9 +21,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from data_prep.errors import DataError
+from data_prep.errors import DataError, output_error
 from data_prep.shards import load_manifest
-from launch.cli import ERROR_DIR, ArgumentParser
+from launch.cli import ERROR_DIR, ArgumentParser, user_errors
 from pipeline.checkpoint.lock import check_unlocked, run_lock
 from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
 from pipeline.data.mixture import describe_mixture, open_sources
@@ -103,8 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(cfg.log.out_dir)
     with distributed(cfg.train.device) as info, \
             run_lock(out_dir, take=info.is_main, any_failed=lambda failed: any_rank(failed, info)):
-        setup_logging(info.rank, out_dir if info.is_main else None)
-        return fit(cfg, info)
+        try:
+            setup_logging(info.rank, out_dir if info.is_main else None)
+            return fit(cfg, info)
+        except user_errors():
+            raise
+        except Exception as e:  # a full or read-only disk mid-run: one line, not a traceback
+            error = output_error(e, out_dir, "free space on its disk or make --log.out_dir "
+                                             "writable, then --resume auto continues from the "
+                                             "last checkpoint")
+            if error is None:
+                raise
+            raise error from None
 
 
 def fit(cfg: JobConfig, info: DistInfo) -> int:

@@ -37,7 +37,7 @@ CALIBRATION_STEPS = 5
 @dataclass
 class TrainConfig:
     seed: int = 1337
-    """Seeds the weights, the data order and sampling."""
+    """Seeds the weights, the data order and sampling: 0 <= seed < 2^64 (torch's generators)."""
     global_batch_tokens: int = 16384
     """Tokens per optimizer step over all ranks and micro-steps, whatever the process count."""
     micro_batch_size: int = 8
@@ -272,6 +272,7 @@ def validate(cfg: JobConfig) -> None:
                        "eval.tokens": 1, "eval.batch_size": 1, "checkpoint.keep": 1,
                        "log.log_every": 1}.items():
         need(flat[key] >= least, key, f">= {least}")
+    need(t.seed < 2**64, "train.seed", "< 2^64, the range torch's generators take")
     for key in ("optim.beta1", "optim.beta2", "optim.muon_momentum", "optim.muon_momentum_start"):
         need(0 <= flat[key] < 1, key, "in [0, 1)")
     for key in ("eval.every", "sample.every", "checkpoint.every"):

@@ -14,6 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from data_prep.safe_files import check_file, open_file
 from pipeline.checkpoint.run_dir import RunDir
 
 LOGGER_NAME = "lmforge"
@@ -35,6 +36,19 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class _RunLogHandler(logging.FileHandler):
+    """train.log, opened by safe_files' rule (never through a link); a failed write (a full
+    disk) ends the run with the caller's one-line error, not a traceback per log line."""
+
+    def _open(self):
+        return open_file(self.baseFilename, self.mode, what="run file", encoding=self.encoding)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # inside emit's except: the write's own
+            raise  # noqa: PLE0704
+        super().handleError(record)
+
+
 def setup_logging(rank: int, run_dir: str | os.PathLike | None = None) -> logging.Logger:
     """Rank 0: INFO to stderr and to run_dir/train.log. Other ranks: WARNING to stderr, prefixed."""
     logger = get_logger()
@@ -49,7 +63,7 @@ def setup_logging(rank: int, run_dir: str | os.PathLike | None = None) -> loggin
     logger.addHandler(stream)
     if rank == 0 and run_dir is not None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        file = logging.FileHandler(RunDir(run_dir).log)
+        file = _RunLogHandler(RunDir(run_dir).log)
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(file)
     return logger
@@ -73,7 +87,7 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file (plot_losses keeps the last record of a
         # step logged twice).
-        self._file = open(RunDir(run_dir).metrics, "a")  # noqa: SIM115 - closed in close()
+        self._file = open_file(RunDir(run_dir).metrics, "a", what="run file")
         # WANDB_MODE in the environment wins over the config, so a cluster or CI can silence it;
         # a config of "disabled" never imports wandb at all.
         mode = mode if mode == "disabled" else os.environ.get("WANDB_MODE", mode)
@@ -122,23 +136,37 @@ def _record_step(line: bytes) -> int | None:
     return step if isinstance(step, int) else None
 
 
+MAX_RECORD_BYTES = 1 << 24  # a record is a line of numbers (and a step's samples)
+
+
 def trim_metrics(path: Path, last_step: int) -> int:
     """On resume, drop the records a crashed run wrote after the checkpoint it resumes from, and
     the torn lines it may have left (logged): a partial line must not block every resume.
-    Returns the last step still recorded (0: none)."""
-    if not path.is_file():
+    Streamed line by line (each read bounded) into a temporary file renamed over it, so neither
+    the file's size nor a crash mid-trim costs a record. Returns the last step still recorded."""
+    if not check_file(path, what="run file", writing=True):
         return 0
-    lines = path.read_bytes().splitlines()
-    steps = [_record_step(ln) for ln in lines]
-    if torn := [i + 1 for i, step in enumerate(steps) if step is None]:
+    torn, dropped, last = [], 0, 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open_file(path, "rb", what="run file") as src, \
+            open_file(tmp, "wb", what="temporary file") as dst:
+        for n, line in enumerate(iter(lambda: src.readline(MAX_RECORD_BYTES), b""), 1):
+            step = _record_step(line)
+            if step is None:
+                torn.append(n)
+            elif step > last_step:
+                dropped += 1
+            else:
+                dst.write(line.rstrip(b"\n") + b"\n")
+                last = max(last, step)
+    os.replace(tmp, path)
+    if torn:
         get_logger().warning("%s: dropped %d torn line(s) (line %s), written by a run that stopped "
-                    "mid-write", path, len(torn), ", ".join(map(str, torn)))
-    kept = [(ln, step) for ln, step in zip(lines, steps) if step is not None and step <= last_step]
-    if dropped := sum(step is not None and step > last_step for step in steps):
+                             "mid-write", path, len(torn), ", ".join(map(str, torn[:10])))
+    if dropped:
         get_logger().warning("%s: dropped %d record(s) past step %d, written by a run that stopped "
                              "before checkpointing them", path, dropped, last_step)
-    path.write_bytes(b"".join(ln + b"\n" for ln, _ in kept))
-    return max((step for _, step in kept), default=0)
+    return last
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -191,7 +219,7 @@ class Progress:
 
 def _read_losses(metrics_jsonl: Path, key: str) -> tuple[list[int], list[float]]:
     by_step: dict[int, float] = {}
-    with open(metrics_jsonl) as f:
+    with open_file(metrics_jsonl, "r", what="run file") as f:
         for line in f:
             record = json.loads(line)
             if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]):
@@ -220,6 +248,7 @@ def plot_losses(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) ->
     if ax.lines:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    with open_file(out_png, "wb", what="run file") as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
     return out_png

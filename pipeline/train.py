@@ -26,6 +26,7 @@ from pipeline.checkpoint.async_writer import Checkpointer
 from pipeline.checkpoint.hf_init import start_from
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.config import (
+    ConfigError,
     DataConfig,
     EvalConfig,
     JobConfig,
@@ -47,6 +48,7 @@ from pipeline.parallel.parallelize import (
     ParallelModel,
     Precision,
     RecompileWatch,
+    kept,
     parallelize,
     resolve_choices,
     resolve_parallel,
@@ -131,12 +133,14 @@ class Trainer:
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
                                grad_accum_steps=grad_accum_steps, info=info,
                                max_steps=lambda: self.cfg.train.max_steps)
-        self.precision = Precision.resolve(cfg.train.dtype, info.device)
+        started = None if resume_meta is None else resume_meta.config.train
+        dtype = kept(cfg.train, started, "dtype")  # a resume computes in its run's dtype
+        self.precision = Precision.resolve(dtype, info.device)
         self.samples = Samples(cfg.sample, self.data.tokenizer, self.model_cfg,
-                               Precision.resolve(cfg.train.dtype, info.device, "sample"), info,
+                               Precision.resolve(dtype, info.device, "sample"), info,
                                cfg.train.seed)
         self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/parallel/materialize.py)
-        self._resolve_choices(None if resume_meta is None else resume_meta.config)
+        self._resolve_choices(started)
         self.parallel = build_parallel(self.model, self.cfg.train, self.precision, info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
                                          self.precision.dtype)
@@ -156,12 +160,11 @@ class Trainer:
         self.recompiles = RecompileWatch()
         self.stop_requested = False
 
-    def _resolve_choices(self, started: JobConfig | None) -> None:
-        """train.compile's, .attention's and .loss's choices into the config (run dir,
-        checkpoints): a resumed run keeps those it started with."""
+    def _resolve_choices(self, started: TrainConfig | None) -> None:
+        """train.dtype's, .compile's, .attention's and .loss's choices into the config (run
+        dir, checkpoints): a resumed run keeps those it started with."""
         t = resolve_choices(self.cfg.train, self.info.device, self.precision.dtype,
-                            self.cfg.data.seq_len, self.model_cfg.padded_vocab_size,
-                            started and started.train)
+                            self.cfg.data.seq_len, self.model_cfg.padded_vocab_size, started)
         self.length.cfg = replace(self.cfg, train=t)  # the config a budget's length applies to
         self._rebind(self.length.cfg)
 
@@ -177,6 +180,11 @@ class Trainer:
         self.lineage, self.parent_step, self.source = meta.lineage, meta.step, meta.source
         self.length.keep_fixed(meta.config)
         self._rebind(self.length.cfg)
+        if self.step > (max_steps := self.cfg.train.max_steps):
+            raise ConfigError(f"checkpoint {where} is at step {self.step}, past this run's "
+                              f"train.max_steps = {max_steps}: there is nothing to train; resume "
+                              f"with --train.max_steps {self.step} or more, or resume an earlier "
+                              "checkpoint (--resume PATH)")
         log.info("resumed from %s at step %d (written by %d ranks)", where, self.step,
                  meta.world_size)
 
@@ -184,6 +192,8 @@ class Trainer:
         cfg = self.cfg
         if self.info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if resumed_from is None:  # an earlier start's records: kept, never written over
+                ckpt.abandon_history(self.run_dir)
             save_resolved(cfg, self.run_dir)
             recorded = trim_metrics(RunDir(self.run_dir).metrics, self.step)
             # Last: checkpoints move only once the resume has passed every check.

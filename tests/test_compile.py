@@ -54,7 +54,8 @@ def test_each_auto_choice_follows_its_rule(device, dtype, seq_len, vocab, expect
     assert (8 * 4096 * 50304 > FULL_LOGITS_MAX_ELEMS) and (8 * 1024 * 50304 <= FULL_LOGITS_MAX_ELEMS)
     t = par.resolve_choices(AUTO, device, dtype, seq_len, vocab)
     assert choices(t) == expected
-    assert replace(t, compile="auto", attention="auto", loss="auto") == AUTO  # nothing else changed
+    assert t.dtype == {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]  # saved resolved
+    assert replace(t, compile="auto", attention="auto", loss="auto", dtype="auto") == AUTO
 
 
 def test_explicit_choices_are_kept_whatever_the_rule_says():

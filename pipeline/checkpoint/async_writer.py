@@ -92,7 +92,7 @@ class Checkpointer:
                                            self.info, keep)
             except (OSError, CheckpointException) as e:  # DCP's is a BaseException
                 tmp = ckpt.RunDir(run_dir).checkpoints / (ckpt.step_dir_name(meta.step) + ".tmp")
-                need = _nbytes(model.state_dict()) + _nbytes(optimizer.state_dict())
+                need = _nbytes(get_state_dict(model, optimizer))  # Optimizers too (Muon)
                 raise self._failed(e, tmp, need, "") from None
             log.info("checkpoint %s", final)
             return final

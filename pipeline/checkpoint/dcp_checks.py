@@ -8,8 +8,9 @@ read failed, and `stream.zstd/1` made DCP decompress an entry whole into memory.
 - every entry is a tensor, or bytes for an optimizer's param-group settings (all lmforge writes);
 - every storage entry is a path, offset and length (never a transform) naming a byte range of a
   regular `__R_N.distcp` file in the directory, and no two ranges of one file overlap;
-- every tensor is covered by its chunks, each inside the tensor, each chunk's bytes (elements x
-  element size) within the range that stores it.
+- every tensor is covered by its chunks exactly once (no chunk listed twice, no two meeting),
+  each inside the tensor, each chunk's bytes (elements x element size) within the range that
+  stores it.
 
 Together: what lmforge allocates for a checkpoint is bounded by the bytes on disk.
 """
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from data_prep.safe_files import kind_of
 from pipeline.errors import refusal
 
 STORAGE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
@@ -84,8 +86,8 @@ def _check_storage(storage: dict, directory: Path, where: Path) -> None:
         except OSError:
             raise refusal(where, f"it stores tensors in {name}, which is missing") from None
         if not stat.S_ISREG(st.st_mode):
-            raise refusal(where, f"{name} is a symbolic link or not a file; checkpoint files "
-                                 "must be regular files")
+            raise refusal(where, f"{directory / name} is {kind_of(st.st_mode)}; checkpoint "
+                                 "files must be regular files")
         end, last = 0, ""
         for start, stop, fqn in sorted(ranges):
             if stop > st.st_size:
@@ -110,9 +112,12 @@ def _check_tensor(key: str, entry: TensorStorageMetadata, storage: dict, where: 
     if not (all(_is_count(s) for s in size) and isinstance(dtype, torch.dtype)
             and isinstance(entry.chunks, list) and all(_chunk_ok(c, size) for c in entry.chunks)):
         raise refusal(where, f"tensor {key!r} has a malformed shape, dtype or chunk list")
-    covered = 0
+    covered, seen = 0, set()
     for chunk in entry.chunks:
-        numel = math.prod(chunk.sizes)
+        numel, offsets = math.prod(chunk.sizes), tuple(chunk.offsets)
+        if offsets in seen:  # one chunk listed twice would count its elements twice
+            raise refusal(where, f"tensor {key!r} lists its chunk at {offsets} twice")
+        seen.add(offsets)
         info = storage.get(MetadataIndex(key, chunk.offsets))
         if info is None:
             raise refusal(where, f"a chunk of tensor {key!r} has no storage entry")
@@ -120,6 +125,24 @@ def _check_tensor(key: str, entry: TensorStorageMetadata, storage: dict, where: 
             raise refusal(where, f"tensor {key!r} {size} needs {numel * dtype.itemsize:,} bytes "
                                  f"of a chunk stored in {info.length:,}")
         covered += numel
-    if covered < math.prod(size):
+    if covered != math.prod(size) or not _disjoint(entry.chunks):
         raise refusal(where, f"the chunks of tensor {key!r} {size} cover {covered:,} of its "
-                             f"{math.prod(size):,} elements")
+                             f"{math.prod(size):,} elements, some of them twice or not at all; "
+                             "each must be stored exactly once (an unstored row would keep its "
+                             "random initialisation)")
+
+
+def _disjoint(chunks: list[ChunkStorageMetadata]) -> bool:
+    """No element in two chunks: a sweep along dim 0, each chunk compared only with those whose
+    dim-0 range it meets (the row slabs FSDP writes meet none)."""
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes))
+    if not boxes or not boxes[0][0]:  # a 0-dim tensor: one chunk (duplicates refused above)
+        return len(boxes) <= 1
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, n in boxes:
+        active = [(o, m) for o, m in active if o[0] + m[0] > off[0]]
+        if any(all(a < b + k and b < a + m_ for a, m_, b, k in zip(o, m, off, n))
+               for o, m in active):
+            return False
+        active.append((off, n))
+    return True

@@ -16,7 +16,9 @@ RNG states with weights_only=True, meta.json as typed JSON, no file copied throu
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import shutil
 import time
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from data_prep.safe_files import check_dir, check_file, check_tree, read_bytes, read_text
 from data_prep.shards import copy_plain_tree
 from model import ModelConfig
 from pipeline.checkpoint.run_dir import RunDir
@@ -54,6 +57,8 @@ from pipeline.parallel.distributed import DistInfo, barrier
 FORMAT = "lmforge-checkpoint"
 VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+MAX_META_BYTES = 1 << 26  # a meta.json is kilobytes: its config, loader cursors and last record
+MAX_RNG_BYTES = 1 << 24  # torch's and each CUDA device's generator states
 
 log = get_logger()
 
@@ -99,15 +104,39 @@ class CheckpointMeta:
                                   "version that wrote it")
         try:
             return cls(
-                step=int(d["step"]), model=ModelConfig.from_dict(d["model"]),
-                config=config_from_dict(d["config"]), lineage=str(d["lineage"]),
-                parent_step=d["parent_step"], world_size=int(d["world_size"]),
-                bad_steps=int(d["bad_steps"]), loader=d["loader"], record=d.get("record"),
-                source=d.get("source"),
+                step=_count(d["step"]), model=ModelConfig.from_dict(d["model"]),
+                config=config_from_dict(d["config"]), lineage=_typed(d["lineage"], str),
+                parent_step=None if d["parent_step"] is None else _count(d["parent_step"]),
+                world_size=_count(d["world_size"]), bad_steps=_count(d["bad_steps"]),
+                loader=_typed(d["loader"], dict | None), record=_record(d.get("record")),
+                source=_typed(d.get("source"), dict | None),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as e:
             raise CheckpointError(f"{where}/meta.json is invalid ({type(e).__name__}: {e}); use "
                                   "another checkpoint") from None
+
+
+def _typed(value, kind):
+    if not isinstance(value, kind):
+        raise TypeError(f"{value!r:.60} where the format has {kind}")
+    return value
+
+
+def _count(value) -> int:
+    if type(value) is not int or value < 0:
+        raise TypeError(f"{value!r:.60} where the format has a count (an int >= 0)")
+    return value
+
+
+def _record(record):
+    """A step's training record: names (never `step` or `time`, which the metrics line adds) of
+    numbers, strings, null or lists of them."""
+    scalar = int | float | str | None
+    for key, value in _typed(record, dict | None).items() if record else ():
+        if key in ("step", "time") or not isinstance(value, scalar | list) or \
+                isinstance(value, list) and not all(isinstance(v, scalar) for v in value):
+            raise TypeError(f"record entry {key!r}: {value!r:.60}")
+    return record
 
 
 def new_lineage() -> str:
@@ -115,24 +144,35 @@ def new_lineage() -> str:
 
 
 def list_complete(ckpt_root: Path) -> list[Path]:
-    """Complete step checkpoints under RUN/checkpoints, oldest first."""
+    """Complete step checkpoints under RUN/checkpoints, oldest first; safe_files.UnsafeFile for a
+    step directory or meta.json that is a link or not what the format says (never skipped: a
+    skipped one would make `--resume auto` start over)."""
     if not ckpt_root.is_dir():
         return []
-    return sorted(p for p in ckpt_root.iterdir()
-                  if p.is_dir() and STEP_DIR.match(p.name) and (p / "meta.json").is_file())
+    steps = [p for p in ckpt_root.iterdir() if STEP_DIR.match(p.name)]
+    for p in steps:
+        check_dir(p, what="checkpoint")
+    return sorted(p for p in steps if check_file(p / "meta.json", what="checkpoint meta.json"))
 
 
 def read_meta(ckpt_dir: Path) -> CheckpointMeta:
+    """The meta of a checkpoint whose every file is a regular file or directory (check_tree)."""
     meta_path = ckpt_dir / "meta.json"
-    if not meta_path.is_file():
+    if not meta_path.exists() and not meta_path.is_symlink():
         raise CheckpointError(f"{ckpt_dir} is not a complete lmforge checkpoint (no meta.json); "
                               "pass a run directory, a checkpoints/step_* directory or a final/ "
                               "export")
+    check_tree(ckpt_dir, what="checkpoint")
     try:
-        d = json.loads(meta_path.read_text())
+        d = json.loads(read_text(meta_path, MAX_META_BYTES, what="checkpoint meta.json"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is corrupt ({e}); use another checkpoint") from None
     return CheckpointMeta.from_json(d, ckpt_dir)
+
+
+def _has_meta(ckpt_dir: Path) -> bool:
+    """A meta.json of any kind is there (read_meta refuses one that is not a regular file)."""
+    return os.path.lexists(ckpt_dir / "meta.json")
 
 
 def resolve(path: str | Path) -> Path:
@@ -142,13 +182,14 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint path {p} does not exist; pass a run directory or a checkpoint")
+    p = p.resolve()  # the path the user named may be a link; nothing inside it is followed
     if p.is_file():
         p = p.parent
-    if (p / "meta.json").is_file():
+    if _has_meta(p):
         return p
     candidates = list_complete(RunDir(p).checkpoints)
     final = RunDir(p).final
-    if (final / "meta.json").is_file():
+    if _has_meta(final):
         candidates.append(final)
     if not candidates:
         raise CheckpointError(f"no complete checkpoint in {p} (expected meta.json, "
@@ -177,8 +218,8 @@ def find_resume(resume: str, run_dir: Path) -> Path | None:
     if resume == "auto":
         return existing[-1]
     steps = list_complete(RunDir(resume).checkpoints)
-    ckpt = steps[-1] if steps and not (Path(resume) / "meta.json").is_file() else resolve(resume)
-    if not (ckpt / ".metadata").is_file():
+    ckpt = steps[-1] if steps and not _has_meta(Path(resume)) else resolve(resume)
+    if not check_file(ckpt / ".metadata", what="checkpoint .metadata"):
         raise CheckpointError(f"{ckpt} is an export without optimizer state and cannot be "
                               "resumed; pass a checkpoints/step_* directory")
     return ckpt
@@ -209,15 +250,36 @@ def abandon_newer(run_dir: Path, step: int, resumed: Path) -> Path | None:
         moved.insert(0, final)  # first: a crash mid-move must not leave final/ as the newest
     if not moved:
         return None
+    dest = _move_aside(run_dir, step, moved)
+    log.warning("resuming from %s (step %d), not the newest checkpoint of this run: moved %s to %s",
+                resumed, step, ", ".join(c.name for c in moved), dest)
+    return dest
+
+
+def abandon_history(run_dir: Path) -> Path | None:
+    """Rank 0, at a fresh start (nothing resumed) into a directory whose metrics.jsonl holds an
+    earlier start's records (killed before its first checkpoint: nothing continues them): that
+    file and its config.toml moved aside like an abandoned branch (logged, never deleted), so a
+    fresh start never writes over a run, and `--resume auto` after such a kill still starts."""
+    run = RunDir(run_dir)
+    if not check_file(run.metrics, what="run file", writing=True) or not run.metrics.stat().st_size:
+        return None
+    moved = [p for p in (run.metrics, run.config) if p.exists()]
+    dest = _move_aside(run_dir, 0, moved)
+    log.warning("%s holds the records of an earlier start that left no checkpoint; this is a "
+                "fresh start: moved %s to %s", run_dir, ", ".join(p.name for p in moved), dest)
+    return dest
+
+
+def _move_aside(run_dir: Path, step: int, paths: list[Path]) -> Path:
+    """`paths` renamed into a new checkpoints/abandoned/TIME_after_step_N/."""
     name = f"{time.strftime('%Y%m%d-%H%M%S')}_after_{step_dir_name(step)}"
     dest, n = RunDir(run_dir).abandoned / name, 1
     while dest.exists():
         dest, n = dest.with_name(f"{name}_{n}"), n + 1
     dest.mkdir(parents=True)
-    for c in moved:
-        c.rename(dest / c.name)
-    log.warning("resuming from %s (step %d), not the newest checkpoint of this run: moved %s to %s",
-                resumed, step, ", ".join(c.name for c in moved), dest)
+    for p in paths:
+        p.rename(dest / p.name)
     return dest
 
 
@@ -313,17 +375,23 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim: OptimConfig,
 def load_training(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                   info: DistInfo) -> None:
     """Collective: restore model + optimizer (resharding as needed) and this rank's RNG from a
-    checkpoint accepted by `read_resumable`."""
+    checkpoint accepted by `read_resumable`. Every rank that wrote it saved its RNG state: one
+    missing is refused before any weight is read (a rank beyond them draws afresh)."""
+    rng_file = ckpt_dir / f"rng_rank{info.rank:05d}.pt"
+    if not check_file(rng_file, what="checkpoint RNG state") and \
+            info.rank < read_meta(ckpt_dir).world_size:
+        raise refusal(rng_file, "it is missing, and every rank that wrote the checkpoint saved "
+                                "one")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with single_process_ok():
         load_into(state, ckpt_dir, no_dist=not info.is_distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    rng_file = ckpt_dir / f"rng_rank{info.rank:05d}.pt"
-    if rng_file.is_file():  # absent when resuming on more ranks than wrote the checkpoint
+    if rng_file.exists():
+        data = read_bytes(rng_file, MAX_RNG_BYTES, what="checkpoint RNG state")
         try:
-            rng = torch.load(rng_file, weights_only=True)
+            rng = torch.load(io.BytesIO(data), weights_only=True)
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])

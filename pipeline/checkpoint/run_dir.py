@@ -1,9 +1,11 @@
 """The run directory's layout, defined here once (the checkpoint format inside it is
-pipeline.checkpoint.format's)."""
+pipeline.checkpoint.format's), and what each of its paths must be before a run writes there."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from data_prep.safe_files import check_dir, check_file, check_tree
 
 
 class RunDir:
@@ -17,3 +19,20 @@ class RunDir:
         self.checkpoints = self.root / "checkpoints"  # step_00000100/: resumable checkpoints
         self.abandoned = self.checkpoints / "abandoned"  # TIME_.../: what a rollback moved aside
         self.final = self.root / "final"  # the consolidated export for eval / sample / export
+
+
+def check_run_dir(root: str | Path) -> None:
+    """Rank 0, holding the lock, before it writes anything: each file lmforge writes in the run
+    directory absent or a regular file with one name, and checkpoints/, final/ and final.tmp/
+    (a crashed export's) absent or directories of directories and regular files
+    (safe_files.UnsafeFile otherwise). A link there would carry a write (metrics.jsonl appended,
+    loss.png rewritten) or a read outside; a FIFO would hang the run."""
+    run = RunDir(root)
+    for path in (run.config, run.log, run.metrics, run.loss_plot):
+        check_file(path, what="run file", writing=True)
+    for tree, what in ((run.checkpoints, "checkpoint directory"), (run.final, "final export"),
+                       (run.final.with_name("final.tmp"), "final export")):
+        if tree.exists() or tree.is_symlink():
+            check_tree(tree, what=what)
+    if run.abandoned.exists():  # where a rollback moves checkpoints to
+        check_dir(run.abandoned, what="checkpoint directory")

@@ -31,12 +31,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from data_prep.safe_files import UnsafeFile, read_bytes
 from pipeline.checkpoint.dcp_checks import check_metadata
 from pipeline.errors import CheckpointError, refusal
 
 # DCP warns on every save and load in one process (no_dist), which for us is a normal, intended
 # case: a one-process run, or a sharded checkpoint read whole.
 SINGLE_PROCESS_WARNING = "torch.distributed is .*single process"
+# An index of chunks and byte ranges: ~100 bytes per tensor per rank, megabytes at most.
+MAX_METADATA_BYTES = 1 << 28
 
 
 @contextlib.contextmanager
@@ -74,8 +77,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            data = read_bytes(path, MAX_METADATA_BYTES, what="checkpoint .metadata")
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except UnsafeFile:
+            raise
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, use another") from None
         except Exception as e:  # any malformed pickle: one line, never a traceback

@@ -87,16 +87,19 @@ def schedule(d: DataConfig) -> list[tuple[float, dict[str, float]]]:
 
 def check_same_schedule(theirs: DataConfig, ours: DataConfig, where: object) -> None:
     """A resume keeps the data schedule it was started with (ConfigError otherwise): another
-    mixture or phase plan would change the data under the same run without a word."""
+    mixture or phase plan would change the data under the same run without a word. The sources'
+    order counts: each row's source is drawn by the weights' cumulative sum in that order."""
     old, new = schedule(theirs), schedule(ours)
-    if old != new:
+    if [(start, list(ws.items())) for start, ws in old] != \
+            [(start, list(ws.items())) for start, ws in new]:
         show = lambda phases: "; ".join(
             f"from {start:g}: " + ", ".join(f"{n} {w:.4g}" for n, w in ws.items())
             for start, ws in phases)
         raise ConfigError(
             f"checkpoint {where} was trained on the data schedule {show(old)}, this run asks for "
-            f"{show(new)}; resume with the data.mix / data.sources / data.phases it was started "
-            "with, or train the new mixture as a new run in another --log.out_dir")
+            f"{show(new)} (the sources in order); resume with the data.mix / data.sources / "
+            "data.phases it was started with, in that order, or train the new mixture as a new "
+            "run in another --log.out_dir")
 
 
 def _mix_item(item: str) -> tuple[str, float]:

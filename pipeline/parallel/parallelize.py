@@ -22,7 +22,7 @@ from model import GPT
 from pipeline import attention
 from pipeline.attention import Attend
 from pipeline.config import TrainConfig
-from pipeline.hardware import resolve_dtype
+from pipeline.hardware import dtype_name, resolve_dtype
 from pipeline.loss import HeadLoss, build_loss, resolve_loss
 from pipeline.metrics import get_logger
 from pipeline.parallel.distributed import DistInfo
@@ -39,19 +39,27 @@ def resolve_compile(requested: str, device: torch.device) -> str:
     return "on" if torch.device(device).type == "cuda" else "off"
 
 
+def kept(t: TrainConfig, started: TrainConfig | None, name: str) -> str:
+    """A train.* choice as configured, else (auto) as the resumed run started with: auto
+    again only for a fresh start, or a checkpoint written before that choice was saved."""
+    mine = getattr(t, name)
+    return mine if mine != "auto" else getattr(started, name, "auto")
+
+
 def resolve_choices(t: TrainConfig, device: torch.device, dtype: torch.dtype, seq_len: int,
                     padded_vocab: int, started: TrainConfig | None = None) -> TrainConfig:
-    """train.compile, .attention and .loss, each auto resolved by its static rule; a resumed run
-    keeps the choices it started with (`started`: its checkpoint's)."""
+    """train.dtype (`dtype`: Precision.resolve of `kept` dtype) and train.compile, .attention and
+    .loss, each auto resolved by its static rule; a resumed run keeps the choices it started
+    with (`started`: its checkpoint's)."""
     rules = {
         "compile": lambda: resolve_compile("auto", device),
         "attention": lambda: attention.resolve("auto", device, dtype, seq_len),
         "loss": lambda: resolve_loss("auto", device, padded_vocab, t.micro_batch_size * seq_len),
     }
-    chosen = {}
+    chosen = {"dtype": dtype_name(dtype)}
     for name, rule in rules.items():
-        mine, before = getattr(t, name), getattr(started, name, "auto")  # started may be None
-        chosen[name] = mine if mine != "auto" else before if before != "auto" else rule()
+        choice = kept(t, started, name)
+        chosen[name] = choice if choice != "auto" else rule()
     return replace(t, **chosen)
 
 
