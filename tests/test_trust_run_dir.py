@@ -428,5 +428,5 @@ def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(command, run, tiny_data
             "sample": ["--prompt", "x", "--max-new-tokens", "2"],
             "export": ["--hf", str(tmp_path / "hf")]}[command]
     rc = cli([command, "--ckpt", str(run / "final"), *argv])
-    refused(rc, capsys.readouterr().err, "tokenizer/notes, which is a FIFO")
+    refused(rc, capsys.readouterr().err, "tokenizer/notes is a FIFO")
     assert not (tmp_path / "hf").exists()
