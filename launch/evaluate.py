@@ -38,6 +38,7 @@ from pipeline.loss import build_loss, resolve_loss
 from pipeline.parallel.distributed import DistInfo, distributed
 from pipeline.parallel.parallelize import Precision
 from pipeline.tasks.evaluate import (
+    Task,
     TaskResult,
     check_specs,
     downstream,
@@ -157,13 +158,16 @@ def report(result: EvalResult) -> str:
     ])
 
 
-def evaluate_task_specs(ckpt: LoadedCheckpoint, specs: list[str], data: Path | None,
-                        info: DistInfo, *, max_examples: int | None = None,
-                        dtype: str | None = None) -> tuple[dict[str, TaskResult], float]:
-    """The tasks' figures and examples/s (collective under torchrun). `nextline` reads `data`,
-    else the run's own dataset."""
+def load_tasks(ckpt: LoadedCheckpoint, specs: list[str], data: Path | None,
+               max_examples: int | None = None) -> list[Task]:
+    """The tasks named; `nextline` reads `data`, else the run's own dataset."""
     data = data if data is not None else Path(ckpt.meta.config.data.first_path)
-    tasks = [load_task(spec, data, max_examples) for spec in specs]
+    return [load_task(spec, data, max_examples) for spec in specs]
+
+
+def evaluate_tasks_of(ckpt: LoadedCheckpoint, tasks: list[Task], info: DistInfo,
+                      dtype: str | None = None) -> tuple[dict[str, TaskResult], float]:
+    """The tasks' figures and examples/s (collective under torchrun), in --dtype or the run's."""
     precision = Precision.resolve(ckpt.meta.config.train.dtype if dtype is None else dtype,
                                   info.device, "eval")
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
@@ -196,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     record: dict = {}
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
+        tasks = load_tasks(ckpt, specs, args.data, args.max_examples)  # bad input: before work
         if info.is_main:
             print(f"checkpoint     {ckpt.path} (step {ckpt.step})")
         if args.data is not None:
@@ -208,9 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"data           {args.data} [{args.split}], windows of {seq_len} tokens")
                 print(dtype_line(ckpt, dtype, args.dtype))
                 print(report(result))
-        if specs:
-            results, rate = evaluate_task_specs(ckpt, specs, args.data, info,
-                                                max_examples=args.max_examples, dtype=args.dtype)
+        if tasks:
+            results, rate = evaluate_tasks_of(ckpt, tasks, info, args.dtype)
             record |= task_record(results)
             if info.is_main:
                 print(table(results))
