@@ -101,8 +101,9 @@ def evaluate_tasks(model: GPT, tasks: list[Task], enc: tiktoken.Encoding, info: 
     mine = [encode_task(t, enc, model.cfg.max_seq_len, info.rank, info.world_size) for t in tasks]
     bar = tqdm(total=sum(len(t.examples) for t in tasks), unit="ex", desc="tasks",
                disable=not progress, dynamic_ncols=True)
-    # Per task: examples, acc, acc_norm and chance summed over this rank's examples.
-    sums = torch.zeros(len(tasks), 4, dtype=torch.float64)
+    # Per task: examples, acc and acc_norm counted over this rank's examples (integers: exact in
+    # any order of summation, so any world size gives the same figures).
+    sums = torch.zeros(len(tasks), 3, dtype=torch.float64)
     for k, (task, encoded) in enumerate(zip(tasks, mine)):
         # Every rank's share advances the bar by as much (rank 0's count x world size).
         lls = choice_loglikelihoods(model, encoded, precision,
@@ -110,12 +111,14 @@ def evaluate_tasks(model: GPT, tasks: list[Task], enc: tiktoken.Encoding, info: 
         for j, ll in zip(range(info.rank, len(task.examples), info.world_size), lls):
             ex = task.examples[j]
             acc, acc_norm = verdict(ex, ll)
-            sums[k] += torch.tensor([1.0, acc, acc_norm, ex.chance], dtype=torch.float64)
+            sums[k] += torch.tensor([1.0, acc, acc_norm], dtype=torch.float64)
     bar.close()
     sums = all_reduce_sum(sums.to(info.device), info).cpu()
     results = {}
-    for task, (n, acc, acc_norm, chance) in zip(tasks, sums.tolist()):
-        acc, acc_norm, chance = acc / n, acc_norm / n, chance / n
+    for task, (n, acc, acc_norm) in zip(tasks, sums.tolist()):
+        # Every rank holds every example: the chance level needs no collective.
+        chance = sum(ex.chance for ex in task.examples) / len(task.examples)
+        acc, acc_norm = acc / n, acc_norm / n
         results[task.name] = TaskResult(acc, acc_norm, (acc_norm - chance) / (1 - chance), int(n))
     return results
 
