@@ -38,14 +38,12 @@ class KVCache:
         S = cfg.max_seq_len if max_len is None else max_len
         if S > cfg.max_seq_len:
             raise ValueError(f"KV cache length {S} exceeds model.max_seq_len={cfg.max_seq_len}")
-        self.cfg = cfg
         shape = (cfg.n_layer, batch_size, cfg.n_kv_head, S, cfg.head_dim)
         self.k_LBGSK = torch.zeros(shape, device=device, dtype=dtype)
         self.v_LBGSK = torch.zeros(shape, device=device, dtype=dtype)
         self.k_layers, self.v_layers = self.k_LBGSK.unbind(0), self.v_LBGSK.unbind(0)
         # pad_B[b] = number of left-padding slots of row b (its real tokens start there).
         pad_B = torch.zeros(batch_size, dtype=torch.long, device=device) if pad_B is None else pad_B
-        self.pad_B = pad_B
         self.padded = bool(pad_B.any())
         # Everything a step needs is precomputed here and sliced per step: the decode loop then
         # runs no index arithmetic of its own.
@@ -88,17 +86,6 @@ class KVCache:
 
     def advance(self, T: int) -> None:
         self.pos += T
-
-    def repeat_rows(self, counts_B: torch.Tensor, max_len: int) -> KVCache:
-        """A cache holding counts_B[b] copies of row b's filled slots, with room for max_len:
-        several continuations of one prompt then attend over a single prefill of it."""
-        k = self.k_LBGSK
-        out = KVCache(self.cfg, int(counts_B.sum()), max_len, device=k.device, dtype=k.dtype,
-                      pad_B=self.pad_B.repeat_interleave(counts_B))
-        for src, dst in ((self.k_LBGSK, out.k_LBGSK), (self.v_LBGSK, out.v_LBGSK)):
-            dst[:, :, :, :self.pos] = src[:, :, :, :self.pos].repeat_interleave(counts_B, dim=1)
-        out.pos = self.pos
-        return out
 
 
 class StaticKVCache(KVCache):

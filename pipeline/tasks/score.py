@@ -9,27 +9,28 @@ the model reads (context + continuation)[-(L+1):][:-1], left-truncated to its co
 its last len(continuation) positions predict the continuation.
 
 Speed: the choices of an example share the start of their inputs (its context, most often). That
-prefix runs once per example into a KV cache, which is then repeated for each choice's rest
-(model.KVCache.repeat_rows); examples are sorted by length and packed into batches of at most
-BATCH_TOKENS, and the LM head runs only on the positions scored.
+prefix runs once per example into a KV cache, then all the example's choices run side by side in
+one row (ChoicesCache: each sees the prefix and itself, at its own positions), so neither the
+prefix nor a short choice is padded to the longest; examples are sorted by length and packed
+into batches of at most BATCH_TOKENS, and the LM head runs only on the positions scored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tiktoken
 import torch
 import torch.nn.functional as F
 
-from model import GPT, KVCache
+from model import GPT, KVCache, ModelConfig
 from model.model import IGNORE_INDEX, cap_logits
 from pipeline.parallel.parallelize import Precision
 from pipeline.tasks.example import Example
 
-BATCH_TOKENS = 1 << 14  # rows x (prefix + suffix) of one batch: the KV cache's and attention's size
+BATCH_TOKENS = 1 << 15  # rows x (prefix + choices) of a batch: the size of its KV cache
 
 
 def encode_pair(enc: tiktoken.Encoding, context: str, continuation: str,
@@ -55,8 +56,8 @@ class Encoded:
     targets: list[list[int]]
 
     @property
-    def tokens(self) -> int:
-        return len(self.prefix) + max(map(len, self.suffixes))
+    def tokens(self) -> int:  # what its row holds: the prefix, then every choice
+        return len(self.prefix) + sum(map(len, self.suffixes))
 
 
 def encode_example(enc: tiktoken.Encoding, ex: Example, max_len: int, prefix_id: int) -> Encoded:
@@ -97,52 +98,85 @@ def _tensor(rows: list[list[int]], width: int, fill: int, left_pad: bool, device
     return out.to(device)
 
 
+class ChoicesCache(KVCache):
+    """A KV cache for a prefill of each example's shared prefix (left-padded, one row per
+    example), then one forward of all the example's choices side by side in its row: each choice
+    attends to the prefix and causally to itself only, at the RoPE positions it has alone, so
+    the row computes what separate rows would, without their padding."""
+
+    def __init__(self, cfg: ModelConfig, prefix_lens: list[int], width: int, device, dtype):
+        P = max(prefix_lens)
+        # Slots, not positions: a row holds every choice after the prefix, which may be more
+        # slots than the model's context (each choice's positions stay within it).
+        super().__init__(replace(cfg, max_seq_len=max(cfg.max_seq_len, P + width)),
+                         len(prefix_lens), P + width, device=device, dtype=dtype,
+                         pad_B=torch.tensor([P - n for n in prefix_lens], device=device))
+        self.choice_BT: torch.Tensor | None = None  # choice index of each slot, -1: padding
+        self.pos_BT: torch.Tensor | None = None
+
+    def begin(self, T: int) -> torch.Tensor:
+        if self.choice_BT is None:  # the prefix prefill: KVCache's own masks
+            return super().begin(T)
+        c_BT, P = self.choice_BT, self.pos
+        own_BTT = (c_BT[:, :, None] == c_BT[:, None, :]) & (c_BT[:, :, None] >= 0)
+        own_BTT &= torch.ones(T, T, dtype=torch.bool, device=c_BT.device).tril()
+        own_BTT |= torch.eye(T, dtype=torch.bool, device=c_BT.device)  # padding: itself only
+        prefix_BTP = self.real_B11S[:, 0, :, :P].expand(-1, T, -1)
+        self.attn_mask = torch.cat([prefix_BTP, own_BTT], dim=2)[:, None]  # (B, 1, T, P + T)
+        self.is_causal = False
+        return self.pos_BT
+
+
 @torch.no_grad()
 def score_batch(model: GPT, batch: Sequence[Encoded]) -> list[list[float]]:
     """Each choice's summed log-likelihood, for every example of the batch."""
     device, dtype = model.tok_emb.weight.device, model.tok_emb.weight.dtype
-    P = max(len(e.prefix) for e in batch)
-    counts = torch.tensor([len(e.suffixes) for e in batch], device=device)
-    rows = [s for e in batch for s in e.suffixes]
-    targets = [t for e in batch for t in e.targets]
-    M = max(map(len, rows))
-    if P:  # each prefix once, left-padded, then its cache repeated for every choice
-        pad_E = torch.tensor([P - len(e.prefix) for e in batch], device=device)
-        cache = KVCache(model.cfg, len(batch), P, pad_B=pad_E, device=device, dtype=dtype)
+    T = max(sum(map(len, e.suffixes)) for e in batch)
+    cache = ChoicesCache(model.cfg, [len(e.prefix) for e in batch], T, device, dtype)
+    if cache.pos_BS.shape[1] > T:  # some example has a prefix: run them once
+        P = cache.pos_BS.shape[1] - T
         model.hidden(_tensor([e.prefix for e in batch], P, 0, True, device), kv_cache=cache)
-        cache = cache.repeat_rows(counts, P + M)
-    else:
-        cache = KVCache(model.cfg, len(rows), M, device=device, dtype=dtype)
-    idx_RM = _tensor(rows, M, 0, False, device)
-    y_RM = torch.full((len(rows), M), IGNORE_INDEX, dtype=torch.long)
-    for r, (s, t) in enumerate(zip(rows, targets)):
-        y_RM[r, len(s) - len(t):len(s)] = torch.tensor(t)
-    nll_RM = model(idx_RM, y_RM.to(device), reduction="none", loss_fn=scored_cross_entropy,
-                   kv_cache=cache)
-    lls = (-nll_RM.double().sum(1)).tolist()
+    # Row b: its choices one after the other; each position's choice, RoPE position, target
+    # and request (the flat index of its choice in the batch).
+    idx_BT = torch.zeros(len(batch), T, dtype=torch.long)
+    y_BT = torch.full((len(batch), T), IGNORE_INDEX, dtype=torch.long)
+    choice_BT, pos_BT = torch.full_like(idx_BT, -1), torch.zeros_like(idx_BT)
+    request_BT, r = torch.zeros_like(idx_BT), 0
+    for b, e in enumerate(batch):
+        at = 0
+        for c, (suffix, target) in enumerate(zip(e.suffixes, e.targets)):
+            end = at + len(suffix)
+            idx_BT[b, at:end] = torch.tensor(suffix, dtype=torch.long)
+            y_BT[b, end - len(target):end] = torch.tensor(target, dtype=torch.long)
+            choice_BT[b, at:end], request_BT[b, at:end] = c, r
+            pos_BT[b, at:end] = torch.arange(len(e.prefix), len(e.prefix) + len(suffix))
+            at, r = end, r + 1
+    cache.choice_BT, cache.pos_BT = choice_BT.to(device), pos_BT.to(device)
+    nll_BT = model(idx_BT.to(device), y_BT.to(device), reduction="none",
+                   loss_fn=scored_cross_entropy, kv_cache=cache)
+    lls = torch.zeros(r, dtype=torch.float64).index_add_(
+        0, request_BT.flatten(), -nll_BT.double().cpu().flatten()).tolist()
     out, at = [], 0
-    for n in counts.tolist():
-        out.append(lls[at:at + n])
-        at += n
+    for e in batch:
+        out.append(lls[at:at + len(e.suffixes)])
+        at += len(e.suffixes)
     return out
 
 
-def batches(encoded: Sequence[Encoded], max_len: int,
-            batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
+def batches(encoded: Sequence[Encoded], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
     """Indices of `encoded` in batches: longest first (an out-of-memory shows at once), each
-    within batch_tokens (rows x cache length) and the model's context."""
+    within batch_tokens (rows x (prefix + choices))."""
     order = sorted(range(len(encoded)), key=lambda i: -encoded[i].tokens)
     out: list[list[int]] = []
-    P = M = R = 0
+    P = T = 0
     for i in order:
         e = encoded[i]
-        ep, em, er = len(e.prefix), max(map(len, e.suffixes)), len(e.suffixes)
-        p, m, r = max(P, ep), max(M, em), R + er
-        if not out or p + m > max_len or r * (p + m) > batch_tokens:
+        p, t = max(P, len(e.prefix)), max(T, sum(map(len, e.suffixes)))
+        if not out or (len(out[-1]) + 1) * (p + t) > batch_tokens:
             out.append([])
-            p, m, r = ep, em, er
+            p, t = len(e.prefix), sum(map(len, e.suffixes))
         out[-1].append(i)
-        P, M, R = p, m, r
+        P, T = p, t
     return out
 
 
@@ -154,7 +188,7 @@ def choice_loglikelihoods(model: GPT, encoded: Sequence[Encoded], precision: Pre
     model.eval()
     out: list[list[float]] = [[] for _ in encoded]
     try:
-        for batch in batches(encoded, model.cfg.max_seq_len, batch_tokens):
+        for batch in batches(encoded, batch_tokens):
             with precision.autocast(model):
                 lls = score_batch(model, [encoded[i] for i in batch])
             for i, ll in zip(batch, lls):
