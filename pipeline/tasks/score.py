@@ -8,29 +8,29 @@ as the continuation's); an empty context becomes the end-of-text id (the export'
 the model reads (context + continuation)[-(L+1):][:-1], left-truncated to its context L, and
 its last len(continuation) positions predict the continuation.
 
-Speed: the choices of an example share the start of their inputs (its context, most often). That
-prefix runs once per example into a KV cache, then all the example's choices run side by side in
-one row (ChoicesCache: each sees the prefix and itself, at its own positions), so neither the
-prefix nor a short choice is padded to the longest; examples are sorted by length and packed
-into batches of at most BATCH_TOKENS, and the LM head runs only on the positions scored.
+Speed: the choices of an example share the start of their inputs (its context, most often). One
+row holds that prefix once, then every choice after it (PackedRows: each choice sees the prefix
+and itself, at the positions it has alone), so the prefix is computed once and no choice is
+padded to the longest; rows are sorted by length and batched up to BATCH_TOKENS, and the LM head
+runs only on the positions scored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import tiktoken
 import torch
 import torch.nn.functional as F
 
-from model import GPT, KVCache, ModelConfig
+from model import GPT
 from model.model import IGNORE_INDEX, cap_logits
 from pipeline.parallel.parallelize import Precision
 from pipeline.tasks.example import Example
 
-BATCH_TOKENS = 1 << 15  # rows x (prefix + choices) of a batch: the size of its KV cache
+BATCH_TOKENS = 1 << 14  # rows x the longest row (its prefix and choices) of a batch
 
 
 def encode_pair(enc: tiktoken.Encoding, context: str, continuation: str,
@@ -98,62 +98,57 @@ def _tensor(rows: list[list[int]], width: int, fill: int, left_pad: bool, device
     return out.to(device)
 
 
-class ChoicesCache(KVCache):
-    """A KV cache for a prefill of each example's shared prefix (left-padded, one row per
-    example), then one forward of all the example's choices side by side in its row: each choice
-    attends to the prefix and causally to itself only, at the RoPE positions it has alone, so
-    the row computes what separate rows would, without their padding."""
+class PackedRows:
+    """What GPT.forward's kv_cache argument supplies, for rows that each hold an example's
+    shared prefix then all its choices: the RoPE positions each token would have in its own
+    sequence, and a mask by which a prefix token sees the prefix before it and a choice's token
+    the prefix and its own choice before it (never another choice). Nothing is cached: one
+    forward computes every choice of the row, the prefix once."""
 
-    def __init__(self, cfg: ModelConfig, prefix_lens: list[int], width: int, device, dtype):
-        P = max(prefix_lens)
-        # Slots, not positions: a row holds every choice after the prefix, which may be more
-        # slots than the model's context (each choice's positions stay within it).
-        super().__init__(replace(cfg, max_seq_len=max(cfg.max_seq_len, P + width)),
-                         len(prefix_lens), P + width, device=device, dtype=dtype,
-                         pad_B=torch.tensor([P - n for n in prefix_lens], device=device))
-        self.choice_BT: torch.Tensor | None = None  # choice index of each slot, -1: padding
-        self.pos_BT: torch.Tensor | None = None
+    def __init__(self, part_BT: torch.Tensor, pos_BT: torch.Tensor):
+        """part_BT: 0 for a prefix token, c + 1 for choice c's, -1 for padding."""
+        T = part_BT.shape[1]
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=part_BT.device).tril()
+        q_BT1, k_B1T = part_BT[:, :, None], part_BT[:, None, :]
+        seen_BTT = causal_TT & ((k_B1T == 0) | (k_B1T == q_BT1)) & (q_BT1 >= 0) & (k_B1T >= 0)
+        seen_BTT |= torch.eye(T, dtype=torch.bool, device=part_BT.device)  # padding: itself
+        # Additive: SDPA would convert a boolean mask in every layer.
+        self.attn_mask = torch.zeros(seen_BTT.shape, device=part_BT.device).masked_fill_(
+            ~seen_BTT, float("-inf"))[:, None]
+        self.is_causal, self.pos_BT = False, pos_BT
 
     def begin(self, T: int) -> torch.Tensor:
-        if self.choice_BT is None:  # the prefix prefill: KVCache's own masks
-            return super().begin(T)
-        c_BT, P = self.choice_BT, self.pos
-        own_BTT = (c_BT[:, :, None] == c_BT[:, None, :]) & (c_BT[:, :, None] >= 0)
-        own_BTT &= torch.ones(T, T, dtype=torch.bool, device=c_BT.device).tril()
-        own_BTT |= torch.eye(T, dtype=torch.bool, device=c_BT.device)  # padding: itself only
-        prefix_BTP = self.real_B11S[:, 0, :, :P].expand(-1, T, -1)
-        self.attn_mask = torch.cat([prefix_BTP, own_BTT], dim=2)[:, None]  # (B, 1, T, P + T)
-        self.is_causal = False
         return self.pos_BT
+
+    def update(self, layer: int, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor):
+        return k_BGTK, v_BGTK
+
+    def advance(self, T: int) -> None:
+        pass
 
 
 @torch.no_grad()
 def score_batch(model: GPT, batch: Sequence[Encoded]) -> list[list[float]]:
-    """Each choice's summed log-likelihood, for every example of the batch."""
-    device, dtype = model.tok_emb.weight.device, model.tok_emb.weight.dtype
-    T = max(sum(map(len, e.suffixes)) for e in batch)
-    cache = ChoicesCache(model.cfg, [len(e.prefix) for e in batch], T, device, dtype)
-    if cache.pos_BS.shape[1] > T:  # some example has a prefix: run them once
-        P = cache.pos_BS.shape[1] - T
-        model.hidden(_tensor([e.prefix for e in batch], P, 0, True, device), kv_cache=cache)
-    # Row b: its choices one after the other; each position's choice, RoPE position, target
-    # and request (the flat index of its choice in the batch).
+    """Each choice's summed log-likelihood, for every example of the batch (one row each)."""
+    device = model.tok_emb.weight.device
+    T = max(e.tokens for e in batch)
     idx_BT = torch.zeros(len(batch), T, dtype=torch.long)
     y_BT = torch.full((len(batch), T), IGNORE_INDEX, dtype=torch.long)
-    choice_BT, pos_BT = torch.full_like(idx_BT, -1), torch.zeros_like(idx_BT)
-    request_BT, r = torch.zeros_like(idx_BT), 0
+    part_BT, pos_BT = torch.full_like(idx_BT, -1), torch.zeros_like(idx_BT)
+    request_BT, r = torch.zeros_like(idx_BT), 0  # the flat index of each token's choice
     for b, e in enumerate(batch):
-        at = 0
+        p = at = len(e.prefix)
+        idx_BT[b, :p], part_BT[b, :p], pos_BT[b, :p] = torch.tensor(e.prefix), 0, torch.arange(p)
         for c, (suffix, target) in enumerate(zip(e.suffixes, e.targets)):
             end = at + len(suffix)
             idx_BT[b, at:end] = torch.tensor(suffix, dtype=torch.long)
             y_BT[b, end - len(target):end] = torch.tensor(target, dtype=torch.long)
-            choice_BT[b, at:end], request_BT[b, at:end] = c, r
-            pos_BT[b, at:end] = torch.arange(len(e.prefix), len(e.prefix) + len(suffix))
+            part_BT[b, at:end], request_BT[b, at:end] = c + 1, r
+            pos_BT[b, at:end] = torch.arange(p, p + len(suffix))
             at, r = end, r + 1
-    cache.choice_BT, cache.pos_BT = choice_BT.to(device), pos_BT.to(device)
+    rows = PackedRows(part_BT.to(device), pos_BT.to(device))
     nll_BT = model(idx_BT.to(device), y_BT.to(device), reduction="none",
-                   loss_fn=scored_cross_entropy, kv_cache=cache)
+                   loss_fn=scored_cross_entropy, kv_cache=rows)
     lls = torch.zeros(r, dtype=torch.float64).index_add_(
         0, request_BT.flatten(), -nll_BT.double().cpu().flatten()).tolist()
     out, at = [], 0
@@ -164,19 +159,14 @@ def score_batch(model: GPT, batch: Sequence[Encoded]) -> list[list[float]]:
 
 
 def batches(encoded: Sequence[Encoded], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
-    """Indices of `encoded` in batches: longest first (an out-of-memory shows at once), each
-    within batch_tokens (rows x (prefix + choices))."""
+    """Indices of `encoded` in batches of rows (one example each): longest first (an
+    out-of-memory shows at once), each within batch_tokens (rows x the longest row)."""
     order = sorted(range(len(encoded)), key=lambda i: -encoded[i].tokens)
     out: list[list[int]] = []
-    P = T = 0
     for i in order:
-        e = encoded[i]
-        p, t = max(P, len(e.prefix)), max(T, sum(map(len, e.suffixes)))
-        if not out or (len(out[-1]) + 1) * (p + t) > batch_tokens:
+        if not out or (len(out[-1]) + 1) * encoded[out[-1][0]].tokens > batch_tokens:
             out.append([])
-            p, t = len(e.prefix), sum(map(len, e.suffixes))
         out[-1].append(i)
-        P, T = p, t
     return out
 
 
