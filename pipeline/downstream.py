@@ -1,5 +1,5 @@
 """Training's downstream evals (`eval.tasks`): the tasks, loaded once before step 1, scored every
-`eval.tasks_every` steps and at the end on an unsharded eager copy of the model on every rank
+`eval.tasks_every` steps (the trainer's `due`) and at the end on an unsharded eager copy of the model on every rank
 (each rank scores its stripe of the examples: pipeline/tasks/evaluate.py), in the dtype training
 computes in. A task that cannot be loaded is one warning and the run goes on without it; a
 failed scoring is the trainer's one warning (Trainer._guarded)."""
@@ -38,16 +38,13 @@ class Downstream:
     def __init__(self, ec: EvalConfig, data_dir: str, enc: tiktoken.Encoding,
                  model_cfg: ModelConfig, precision: Precision, info: DistInfo):
         self.enc, self.model_cfg, self.precision, self.info = enc, model_cfg, precision, info
-        self.every, self.copy = ec.tasks_every, None
+        self.copy: GPT | None = None
         self.tasks: list[Task] = []
         for spec in ec.tasks:
             try:
                 self.tasks.append(load_task(spec, data_dir, ec.tasks_max_examples or None))
             except DataError as e:
                 log.warning("eval.tasks: %s is left out (%s); training goes on without it", spec, e)
-
-    def due(self, step: int, finished: bool) -> bool:
-        return bool(self.tasks) and (finished or (self.every > 0 and step % self.every == 0))
 
     def _model(self, module: nn.Module) -> GPT:
         """Collective: the trained weights, unsharded on every rank, in a plain GPT."""

@@ -385,8 +385,9 @@ class Trainer:
             self.recompiles.check("eval", step)
             log.info("step %d: val loss %.4f, ppl %.2f, bpb %.4f", step, record["val_loss"],
                      record["val_ppl"], record["val_bpb"])
-        if self.downstream.due(step, finished) and (tasks := self._guarded(
-                "downstream evals", lambda: self.downstream(self.parallel.module))):
+        if self.downstream.tasks and due(step, cfg.eval.tasks_every, finished) and (
+                tasks := self._guarded("downstream evals",
+                                       lambda: self.downstream(self.parallel.module))):
             record |= tasks
             self.downstream.log(step, tasks)
         if due(step, cfg.sample.every, finished):
