@@ -141,7 +141,7 @@ checkpoint  {ckpt.path}  (step {ckpt.step})
 metrics     {RunDir(run).metrics}
 loss plot   {RunDir(run).loss_plot}
 val perplexity {result.perplexity:.2f} (loss {result.loss:.4f}, {result.bits_per_byte:.3f} bits/byte, {result.tokens:,} tokens)
-nextline    acc_norm {nextline.acc_norm:.3f} vs chance 0.250 (the real next line of held-out code among 4, {nextline.n} questions; lmforge eval --tasks nextline)
+nextline    acc {nextline.acc:.3f}, acc_norm {nextline.acc_norm:.3f} vs chance 0.250 (the real next line of held-out code among 4, {nextline.n} questions)
 
 next:
   lmforge sample --ckpt {run} --prompt "import " --num-samples 3

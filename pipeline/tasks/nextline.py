@@ -1,8 +1,9 @@
 """`nextline`: a multiple-choice task made from the held-out documents of a prepared dataset.
 
 Each question shows a few lines of a val document and asks for the real next line among 4; the 3
-others are lines of other val documents, given the real line's indentation (so the answer is not
-picked by its indentation alone). Made at eval time from the first val tokens, with a fixed seed:
+others are lines of other val documents of about its length, given its indentation (so neither
+indentation nor length, which acc_norm divides by, gives the answer away: with distractors of any
+length an untrained model's acc_norm sat at 0.33). Made at eval time from the first val tokens, with a fixed seed:
 the same dataset always gives the same questions. On the built-in corpus (Python's standard
 library) a model that has learnt some Python picks the real line well above chance (0.25) within
 the demo's minutes, long before it can answer HellaSwag.
@@ -57,13 +58,14 @@ def nextline_examples(data_dir: Path) -> list[Example]:
             line, context = lines[i], "\n".join(lines[i - CONTEXT_LINES:i]) + "\n"
             if not _good(line) or not context.strip():
                 continue
-            indent = line[:len(line) - len(line.lstrip())]
+            indent, size = line[:len(line) - len(line.lstrip())], len(line.strip())
             others: list[str] = []
-            for _ in range(20 * CHOICES):  # distinct lines from other documents
+            for _ in range(50 * CHOICES):  # distinct lines of other documents, of about its length
                 donor = rng.choice(donors)
-                pick = indent + rng.choice(pools[donor])
-                if donor != d and pick != line and pick not in others:
-                    others.append(pick)
+                pick = rng.choice(pools[donor])
+                if donor != d and abs(len(pick) - size) <= max(4, size // 4) and \
+                        indent + pick != line and indent + pick not in others:
+                    others.append(indent + pick)
                 if len(others) == CHOICES - 1:
                     break
             else:
