@@ -28,7 +28,7 @@ from pathlib import Path
 from data_prep.prepare import PrepareConfig, prepare
 from data_prep.tokenizer import encode_prompt, load_tokenizer_dir
 from launch.cli import ArgumentParser
-from launch.evaluate import evaluate_checkpoint, report
+from launch.evaluate import evaluate_checkpoint, evaluate_tasks_of, load_tasks, report
 from launch.prepare import summary
 from launch.sample import write_sample
 from model import SamplingParams
@@ -42,6 +42,7 @@ from pipeline.parallel.parallelize import Precision
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "
+NEXTLINE_EXAMPLES = 400  # questions of the built-in task scored at the end (100 in the loop)
 FULL = {"data": {"tokenizer": "bpe:4096"}, "train": []}
 QUICK = {
     "data": {"tokenizer": "bpe:1024", "max_docs": 200, "val_docs": 10},
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = load_for_inference(run, info.device)
     result, _, _ = evaluate_checkpoint(ckpt, data, info)
     print(report(result))
+    # The built-in task: the real next line of a held-out file among 4 (pipeline/tasks/nextline.py).
+    tasks, _ = evaluate_tasks_of(ckpt, load_tasks(ckpt, ["nextline"], data, NEXTLINE_EXAMPLES),
+                                 info)
+    nextline = tasks["nextline"]
 
     banner(4, f"sample from {ckpt.path}")
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
@@ -136,6 +141,7 @@ checkpoint  {ckpt.path}  (step {ckpt.step})
 metrics     {RunDir(run).metrics}
 loss plot   {RunDir(run).loss_plot}
 val perplexity {result.perplexity:.2f} (loss {result.loss:.4f}, {result.bits_per_byte:.3f} bits/byte, {result.tokens:,} tokens)
+nextline    acc {nextline.acc:.3f}, acc_norm {nextline.acc_norm:.3f} vs chance 0.250 (the real next line of held-out code among 4, {nextline.n} questions)
 
 next:
   lmforge sample --ckpt {run} --prompt "import " --num-samples 3

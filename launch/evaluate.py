@@ -1,7 +1,11 @@
-"""`lmforge eval`: loss, perplexity and bits per byte of a checkpoint on a prepared split.
+"""`lmforge eval`: loss, perplexity and bits per byte of a checkpoint on a prepared split, and
+downstream multiple-choice tasks (pipeline/tasks/).
 
     lmforge eval --ckpt runs/tiny --data data/pystdlib [--split val] [--max-tokens N] [--json F]
+    lmforge eval --ckpt runs/tiny --tasks arc_easy,piqa,mine.jsonl [--max-examples N] [--nproc N]
     torchrun --nproc_per_node=8 -m launch.evaluate --ckpt ... --data ...   (ranks split the tokens)
+
+`--tasks` alone skips the perplexity (give --data too for both); `--nproc N` starts torchrun.
 
 The windows are `pipeline.evaluate.eval_batches` (every target token counted once, tail
 included) and the arithmetic is `pipeline.evaluate.evaluate`, both shared with training's val
@@ -39,6 +43,15 @@ from pipeline.inference import LoadedCheckpoint, load_for_inference
 from pipeline.loss import build_loss, resolve_loss
 from pipeline.parallel.distributed import DistInfo, distributed
 from pipeline.parallel.parallelize import Precision
+from pipeline.tasks.evaluate import (
+    Task,
+    TaskResult,
+    check_specs,
+    downstream,
+    load_task,
+    table,
+    timed_evaluate,
+)
 from pipeline.typed_config import number
 
 FSDP_BF16_REL_TOL = 5e-4
@@ -50,11 +63,20 @@ MAX_BATCH = 1 << 16  # windows per forward (fewer when the split has fewer per r
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="lmforge eval",
-        description="Loss, perplexity and bits per byte of a checkpoint on a prepared split. "
-                    "Runs under torchrun too (the ranks split the tokens).")
+        description="Loss, perplexity and bits per byte of a checkpoint on a prepared split, "
+                    "and downstream multiple-choice tasks. Runs under torchrun too (the ranks "
+                    "split the tokens and the examples).")
     p.add_argument("--ckpt", required=True,
                    help="run directory (newest checkpoint), checkpoints/step_* or final/")
-    p.add_argument("--data", required=True, type=Path, help="dataset prepared by lmforge prepare")
+    p.add_argument("--data", type=Path, default=None,
+                   help="dataset prepared by lmforge prepare (perplexity; nextline's val split)")
+    p.add_argument("--tasks", default=None, metavar="T1,T2,...",
+                   help="downstream tasks: named (arc_easy, hellaswag, ...; NAME@hub online), "
+                        "nextline (the data's val documents) or FILE.jsonl")
+    p.add_argument("--max-examples", type=number(int, 1), default=None,
+                   help="score only the first N examples of each task")
+    p.add_argument("--nproc", type=number(int, 1), default=1,
+                   help="processes: N > 1 starts torchrun with N on this node")
     p.add_argument("--split", default="val", choices=SPLITS)
     p.add_argument("--max-tokens", type=number(int, 1), default=None,
                    help="evaluate only the first N target tokens (default: the whole split)")
@@ -143,28 +165,71 @@ def report(result: EvalResult) -> str:
     ])
 
 
+def load_tasks(ckpt: LoadedCheckpoint, specs: list[str], data: Path | None,
+               max_examples: int | None = None) -> list[Task]:
+    """The tasks named; `nextline` reads `data`, else the run's own dataset."""
+    data = data if data is not None else Path(ckpt.meta.config.data.first_path)
+    return [load_task(spec, data, max_examples) for spec in specs]
+
+
+def evaluate_tasks_of(ckpt: LoadedCheckpoint, tasks: list[Task], info: DistInfo,
+                      dtype: str | None = None) -> tuple[dict[str, TaskResult], float]:
+    """The tasks' figures and examples/s (collective under torchrun), in --dtype or the run's."""
+    precision = Precision.resolve(ckpt.meta.config.train.dtype if dtype is None else dtype,
+                                  info.device, "eval")
+    enc = load_tokenizer_dir(ckpt.tokenizer_dir)
+    return timed_evaluate(ckpt.model, tasks, enc, info, precision, progress=info.is_main)
+
+
+def task_record(results: dict[str, TaskResult]) -> dict:
+    """The JSON of a task run: {"tasks": {NAME: {acc, acc_norm, centered, n}}, "downstream"}."""
+    return {"tasks": {name: asdict(r) for name, r in results.items()},
+            "downstream": downstream(results)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.data is None and args.tasks is None:
+        raise ConfigError("nothing to evaluate: give --data DIR (perplexity), --tasks T1,T2 "
+                          "(downstream tasks), or both")
+    specs = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else []
+    check_specs(specs)
     if args.json:  # before the evaluation, not after it
         check_dir_path(args.json.parent, "--json")
         if args.json.is_dir():
             raise ConfigError(f"--json {args.json} is a directory; give a file path")
         check_writable(args.json.parent, what="--json")
+    if args.nproc > 1:
+        from launch.train import _without_nproc, torchrun
+
+        return torchrun(["--standalone", f"--nproc_per_node={args.nproc}", "-m",
+                         "launch.evaluate", *_without_nproc(argv)])
+    record: dict = {}
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
-        result, seq_len, dtype = evaluate_checkpoint(
-            ckpt, args.data, info, split=args.split, max_tokens=args.max_tokens,
-            batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype)
-    if not info.is_main:
-        return 0
-    print(f"checkpoint     {ckpt.path} (step {ckpt.step})")
-    print(f"data           {args.data} [{args.split}], windows of {seq_len} tokens")
-    print(dtype_line(ckpt, dtype, args.dtype))
-    print(report(result))
-    if args.json:
-        record = asdict(result) | {"checkpoint": str(ckpt.path), "step": ckpt.step,
-                                   "data": str(args.data), "split": args.split,
-                                   "seq_len": seq_len, "dtype": dtype_name(dtype)}
+        tasks = load_tasks(ckpt, specs, args.data, args.max_examples)  # bad input: before work
+        if info.is_main:
+            print(f"checkpoint     {ckpt.path} (step {ckpt.step})")
+        if args.data is not None:
+            result, seq_len, dtype = evaluate_checkpoint(
+                ckpt, args.data, info, split=args.split, max_tokens=args.max_tokens,
+                batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype)
+            record = asdict(result) | {"data": str(args.data), "split": args.split,
+                                       "seq_len": seq_len, "dtype": dtype_name(dtype)}
+            if info.is_main:
+                print(f"data           {args.data} [{args.split}], windows of {seq_len} tokens")
+                print(dtype_line(ckpt, dtype, args.dtype))
+                print(report(result))
+        if tasks:
+            results, rate = evaluate_tasks_of(ckpt, tasks, info, args.dtype)
+            record |= task_record(results)
+            if info.is_main:
+                print(table(results))
+                print(f"{sum(r.n for r in results.values()):,} examples at {rate:,.1f} "
+                      f"examples/s ({info.world_size} process{'es' * (info.world_size > 1)})")
+    if info.is_main and args.json:
+        record |= {"checkpoint": str(ckpt.path), "step": ckpt.step}
         write_json(args.json, record)
     return 0
 

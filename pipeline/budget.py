@@ -44,13 +44,16 @@ class HookCosts:
     sample_s: float
     checkpoint_s: float
     final_s: float  # once: the consolidated export and the loss plot
+    tasks_s: float = 0.0  # the downstream evals (eval.tasks)
 
     @classmethod
-    def estimate(cls, eval_s: float, sample_s: float, n_params: int) -> HookCosts:
-        """Measured eval and sample costs; checkpoint and export costs from their size (fp32
-        weights and AdamW's two moments; the export holds the weights only)."""
+    def estimate(cls, eval_s: float, sample_s: float, n_params: int,
+                 tasks_s: float = 0.0) -> HookCosts:
+        """Measured eval, sample and downstream costs; checkpoint and export costs from their
+        size (fp32 weights and AdamW's two moments; the export holds the weights only)."""
         weights_s = 4 * n_params / DISK_BYTES_PER_S
-        return cls(eval_s, sample_s, checkpoint_s=3 * weights_s, final_s=weights_s + PLOT_S)
+        return cls(eval_s, sample_s, checkpoint_s=3 * weights_s, final_s=weights_s + PLOT_S,
+                   tasks_s=tasks_s)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class BudgetPlan:
     log_every: int
     estimated_s: float  # the whole run, from the trainer's start, as planned
     fits: bool  # False: even the shortest allowed run (warmup + 1 step) overruns the budget
+    tasks_every: int = 0
 
 
 def apply(cfg: JobConfig, p: BudgetPlan) -> JobConfig:
@@ -69,7 +73,7 @@ def apply(cfg: JobConfig, p: BudgetPlan) -> JobConfig:
     reproduces the run."""
     return replace(
         cfg, train=replace(cfg.train, max_steps=p.max_steps, time_budget_s=0.0),
-        eval=replace(cfg.eval, every=p.eval_every), sample=replace(cfg.sample, every=p.sample_every),
+        eval=replace(cfg.eval, every=p.eval_every, tasks_every=p.tasks_every), sample=replace(cfg.sample, every=p.sample_every),
         checkpoint=replace(cfg.checkpoint, every=p.checkpoint_every),
         log=replace(cfg.log, log_every=p.log_every))
 
@@ -89,13 +93,15 @@ def plan(cfg: JobConfig, elapsed_s: float, done: int, step_s: float, costs: Hook
 
     def candidate(steps: int) -> BudgetPlan:
         # Intervals shrink with the run; 0 stays "only at the end".
-        ev, sa, ck, lg = (every and max(1, round(every * steps / cap)) for every in (
-            cfg.eval.every, cfg.sample.every, cfg.checkpoint.every, cfg.log.log_every))
+        ev, sa, ck, lg, ta = (every and max(1, round(every * steps / cap)) for every in (
+            cfg.eval.every, cfg.sample.every, cfg.checkpoint.every, cfg.log.log_every,
+            cfg.eval.tasks_every))
         hooks = (count_due(done, steps, ev) * costs.eval_s
                  + count_due(done, steps, sa) * costs.sample_s
+                 + count_due(done, steps, ta) * costs.tasks_s
                  + count_due(done, steps, ck) * costs.checkpoint_s + costs.final_s)
         total = elapsed_s + ((steps - done) * step_s + hooks) / SAFETY
-        return BudgetPlan(steps, ev, sa, ck, lg, total, total <= budget_s)
+        return BudgetPlan(steps, ev, sa, ck, lg, total, total <= budget_s, ta)
 
     # A length that would move a phase given as a fraction into the steps already run is no
     # candidate: those steps drew their rows by the phases of `cap`.
@@ -133,7 +139,8 @@ class RunLength:
             return
         self.cfg = apply(self.cfg, BudgetPlan(
             saved.train.max_steps, saved.eval.every, saved.sample.every, saved.checkpoint.every,
-            saved.log.log_every, estimated_s=math.nan, fits=True))
+            saved.log.log_every, estimated_s=math.nan, fits=True,
+            tasks_every=saved.eval.tasks_every))
         self.budget_s = 0.0
         log.info("time budget: this run's length was fixed when it started: %d steps (not "
                  "measured again)", self.cfg.train.max_steps)
@@ -154,9 +161,10 @@ class RunLength:
         # Every rank must choose the same length, and every hook lasts as long as its slowest
         # rank (rank 0 alone writes the samples): plan from the ranks' largest measurements.
         measured = torch.tensor([timed[len(timed) // 2], costs.eval_s, costs.sample_s,
-                                 now() - self.start], dtype=torch.float64, device=self.info.device)
-        step_s, eval_s, sample_s, elapsed = all_reduce_max(measured, self.info).tolist()
-        costs = replace(costs, eval_s=eval_s, sample_s=sample_s)
+                                 costs.tasks_s, now() - self.start], dtype=torch.float64,
+                                device=self.info.device)
+        step_s, eval_s, sample_s, tasks_s, elapsed = all_reduce_max(measured, self.info).tolist()
+        costs = replace(costs, eval_s=eval_s, sample_s=sample_s, tasks_s=tasks_s)
         cap, budget_s = self.cfg.train.max_steps, self.budget_s
         p = plan(self.cfg, elapsed, step, step_s, costs, budget_s)
         self.cfg, self.budget_s = apply(self.cfg, p), 0.0
@@ -169,10 +177,10 @@ class RunLength:
                 cap: int, budget_s: float) -> None:
         tok_s = self.cfg.train.global_batch_tokens / step_s
         log.info("time budget %g s: %.2f s/step (%s tokens/s, steps timed to step %d), eval %.1f s, "
-                 "samples %.1f s, checkpoint ~%.1f s -> max_steps %d (at most %d), ~%.0f s in all; "
+                 "samples %.1f s, downstream %.1f s, checkpoint ~%.1f s -> max_steps %d (at most %d), ~%.0f s in all; "
                  "eval every %d, samples every %d, checkpoints every %d (in %s)",
                  budget_s, step_s, f"{tok_s:,.0f}", step, costs.eval_s, costs.sample_s,
-                 costs.checkpoint_s, p.max_steps, cap, p.estimated_s, p.eval_every,
+                 costs.tasks_s, costs.checkpoint_s, p.max_steps, cap, p.estimated_s, p.eval_every,
                  p.sample_every, p.checkpoint_every, RunDir(self.run_dir).config)
         if phases := self.cfg.data.phases:
             first = [phase_start(ph.from_step, p.max_steps) + 1 for ph in phases]

@@ -128,6 +128,13 @@ class EvalConfig:
     one), identical whatever the world size."""
     batch_size: int = 8
     """Sequences per forward pass during evaluation, per rank."""
+    tasks: list[str] = field(default_factory=list)
+    """Downstream multiple-choice tasks scored during training (as `lmforge eval --tasks`: named
+    ones like hellaswag, nextline from data.path's val split, or FILE.jsonl); [] = none."""
+    tasks_every: int = 0
+    """Score eval.tasks every N steps (and at the end); 0 = only at the end."""
+    tasks_max_examples: int = 500
+    """Examples of each task scored in the loop (its first N); 0 = all of them."""
 
 
 @dataclass
@@ -269,13 +276,14 @@ def validate(cfg: JobConfig) -> None:
                        "train.micro_batch_size": 1, "train.max_steps": 1, "train.max_bad_steps": 1,
                        "optim.warmup_steps": 0, "optim.weight_decay": 0,
                        "optim.muon_momentum_warmup_steps": 0, "optim.muon_weight_decay": 0,
-                       "eval.tokens": 1, "eval.batch_size": 1, "checkpoint.keep": 1,
+                       "eval.tokens": 1, "eval.batch_size": 1, "eval.tasks_max_examples": 0,
+                       "checkpoint.keep": 1,
                        "log.log_every": 1}.items():
         need(flat[key] >= least, key, f">= {least}")
     need(t.seed < 2**64, "train.seed", "< 2^64, the range torch's generators take")
     for key in ("optim.beta1", "optim.beta2", "optim.muon_momentum", "optim.muon_momentum_start"):
         need(0 <= flat[key] < 1, key, "in [0, 1)")
-    for key in ("eval.every", "sample.every", "checkpoint.every"):
+    for key in ("eval.every", "eval.tasks_every", "sample.every", "checkpoint.every"):
         need(flat[key] >= 0, key, ">= 0; 0 = only at the end")
     for key, expected in (("checkpoint.resume", "none | auto | a checkpoint path"),
                           ("log.out_dir", "a directory path"),

@@ -229,14 +229,18 @@ def _read_losses(metrics_jsonl: Path, key: str) -> tuple[list[int], list[float]]
 
 
 def plot_losses(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) -> Path:
-    """Train (`loss`) and validation (`val_loss`) loss against step, as a PNG."""
+    """Train (`loss`) and validation (`val_loss`) loss against step, as a PNG; beside it, when
+    the run scored downstream tasks (eval.tasks), `downstream` against tokens trained."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers; must precede pyplot's import
     import matplotlib.pyplot as plt
 
     metrics_jsonl, out_png = Path(metrics_jsonl), Path(out_png)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    task_steps, scores = _read_losses(metrics_jsonl, "downstream")
+    fig, axes = plt.subplots(1, 2 if task_steps else 1, figsize=(14 if task_steps else 8, 5),
+                             squeeze=False)
+    ax = axes[0][0]
     for key, label, style in (("loss", "train", "-"), ("val_loss", "val", "o-")):
         steps, values = _read_losses(metrics_jsonl, key)
         if steps:
@@ -247,6 +251,17 @@ def plot_losses(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) ->
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend()
+    if task_steps:
+        token_steps, tokens = _read_losses(metrics_jsonl, "tokens")
+        at = dict(zip(token_steps, tokens))
+        pairs = [(at[s], v) for s, v in zip(task_steps, scores) if s in at]
+        ax = axes[0][1]
+        ax.plot([t for t, _ in pairs], [v for _, v in pairs], "o-", markersize=4)
+        ax.axhline(0.0, color="grey", lw=0.8)  # chance: centered accuracy 0
+        ax.set_title("Downstream (mean centered acc_norm; 0 = chance)")
+        ax.set_xlabel("tokens trained")
+        ax.set_ylabel("downstream")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     with open_file(out_png, "wb", what="run file") as f:
         fig.savefig(f, dpi=120, format="png")

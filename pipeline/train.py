@@ -38,6 +38,7 @@ from pipeline.config import (
 )
 from pipeline.data.loader import TrainLoader
 from pipeline.data.mixture import ValSet, is_mixture, train_sources, val_sets
+from pipeline.downstream import Downstream, keep_tasks
 from pipeline.evaluate import evaluate
 from pipeline.hardware import dtype_name, peak_flops, to_device
 from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
@@ -140,7 +141,9 @@ class Trainer:
                                Precision.resolve(dtype, info.device, "sample"), info,
                                cfg.train.seed)
         self.model = meta_gpt(self.model_cfg)  # parallelize allocates it (pipeline/parallel/materialize.py)
-        self._resolve_choices(started)
+        self._resolve_choices(None if resume_meta is None else resume_meta.config)
+        self.downstream = Downstream(self.cfg.eval, cfg.data.first_path, self.data.tokenizer,
+                                     self.model_cfg, self.precision, info)
         self.parallel = build_parallel(self.model, self.cfg.train, self.precision, info)
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, info.device,
                                          self.precision.dtype)
@@ -160,12 +163,14 @@ class Trainer:
         self.recompiles = RecompileWatch()
         self.stop_requested = False
 
-    def _resolve_choices(self, started: TrainConfig | None) -> None:
+    def _resolve_choices(self, started: JobConfig | None) -> None:
         """train.dtype's, .compile's, .attention's and .loss's choices into the config (run
         dir, checkpoints): a resumed run keeps those it started with."""
         t = resolve_choices(self.cfg.train, self.info.device, self.precision.dtype,
-                            self.cfg.data.seq_len, self.model_cfg.padded_vocab_size, started)
-        self.length.cfg = replace(self.cfg, train=t)  # the config a budget's length applies to
+                            self.cfg.data.seq_len, self.model_cfg.padded_vocab_size,
+                            started and started.train)
+        # The config a budget's length applies to; a resumed run keeps its eval.tasks.
+        self.length.cfg = keep_tasks(replace(self.cfg, train=t), started)
         self._rebind(self.length.cfg)
 
     def _rebind(self, cfg: JobConfig) -> None:
@@ -312,7 +317,8 @@ class Trainer:
         eval_s = (budget.now() - t0) * sum(len(v.batches) for v in self.data.val) / len(self.data.val)
         t0 = budget.now()
         self.run_samples()
-        return budget.HookCosts.estimate(eval_s, budget.now() - t0, self.model.num_params())
+        return budget.HookCosts.estimate(eval_s, budget.now() - t0, self.model.num_params(),
+                                         self.downstream.estimate_s(self.parallel.module))
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -398,13 +404,18 @@ class Trainer:
             self.recompiles.check("eval", step)
             log.info("step %d: val loss %.4f, ppl %.2f, bpb %.4f", step, record["val_loss"],
                      record["val_ppl"], record["val_bpb"])
+        if self.downstream.tasks and due(step, cfg.eval.tasks_every, finished) and (
+                tasks := self._guarded("downstream evals",
+                                       lambda: self.downstream(self.parallel.module))):
+            record |= tasks
+            self.downstream.log(step, tasks)
         if due(step, cfg.sample.every, finished):
             samples = self._guarded("sampling", self.run_samples)
             if samples is not None:
                 record["samples"] = samples
             for text in samples or []:
                 log.info("sample: %r", text)
-        if due(step, cfg.log.log_every, finished) or "val_loss" in record:
+        if due(step, cfg.log.log_every, finished) or "val_loss" in record or "downstream" in record:
             self.metrics.log(step, **record)
         if not finished and due(step, cfg.checkpoint.every, False):
             self.save()

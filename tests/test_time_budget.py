@@ -143,3 +143,23 @@ def test_a_budget_keeps_a_fractional_phase_out_of_the_steps_already_run(tiny_dat
     assert drawn(run_dir)[4][2] == 0 < drawn(run_dir)[5][2]
     assert "data phases 1..1 (from_step 0.5) start at steps 6 of 10" in log
     assert "step 6: data phase 1 starts" in log
+
+
+def test_plan_counts_the_downstream_evals():
+    """eval.tasks' rounds are a hook like the others: their cost shortens the run, and their
+    interval shrinks with it."""
+    cfg = load_config(None, ["--train.max_steps", "200", "--optim.warmup_steps", "20",
+                             "--eval.every", "50", "--sample.every", "100",
+                             "--checkpoint.every", "100", "--log.log_every", "10",
+                             "--eval.tasks_every", "100"])
+    free = budget.HookCosts(eval_s=2.0, sample_s=1.0, checkpoint_s=0.5, final_s=3.0)
+    costly = budget.HookCosts(eval_s=2.0, sample_s=1.0, checkpoint_s=0.5, final_s=3.0,
+                              tasks_s=5.0)
+    p = budget.plan(cfg, elapsed_s=10.0, done=5, step_s=1.0, costs=free, budget_s=100.5)
+    q = budget.plan(cfg, elapsed_s=10.0, done=5, step_s=1.0, costs=costly, budget_s=100.5)
+    assert p.max_steps == 72 and q.max_steps < p.max_steps
+    # q's rounds (every tasks_every, the last step included) fit in what q saved.
+    rounds = budget.count_due(5, q.max_steps, q.tasks_every)
+    assert q.tasks_every == round(100 * q.max_steps / 200) and rounds >= 1
+    assert q.fits and q.estimated_s <= 100.5
+    assert budget.apply(cfg, q).eval.tasks_every == q.tasks_every
