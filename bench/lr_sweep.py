@@ -1,0 +1,221 @@
+"""Learning rates across widths: each lr group on a x2 log grid around a centre, at several
+d_model, to find each group's optimum and the width rule under which it moves least.
+
+    nice -n 19 python -m bench.lr_sweep                  # run what is missing, then report
+    python -m bench.lr_sweep --report-only               # the table and PNG from finished runs
+
+configs/tiny.toml's run (4 layers, head_dim 64, KV heads half the heads, seq 256, 8,192 tokens a
+step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 4,096-id BPE, at
+each --widths d_model. A coordinate sweep: the centre (CENTRE), then one coordinate (--coords: a
+group's lr, or groups joined by '+' moved together) at centre x 2^k for k in --span, the others at
+the centre. Each run is `python -m launch.train` in a subprocess with one thread (bench.runs);
+its result is the final val loss in its metrics.jsonl, and a run with one is not run again, so an
+interrupted sweep continues where it stopped. Seeds 2001.. by default: not the reported runs'.
+
+The rule: the same runs plotted against the lr at --ref-width, i.e. the lr divided by
+pipeline/optim/lrs.py's width_factor (optim.lr_ref_width's rule). Writes
+OUT/lr_sweep.png and OUT/lr_sweep.txt (bench/results/lr_sweep_zen4.* with --out bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT, header
+from bench.recipe import finished
+from bench.runs import run, train_cmd
+from bench.speedrun import read_records
+
+KEYS = {"matrix": "optim.lr", "embed": "optim.embed_lr", "head": "optim.head_lr",
+        "scalar": "optim.scalar_lr"}
+CENTRE = {  # configs/tiny.toml's lrs (Muon) and a plain AdamW run's
+    "muon": {"matrix": 0.02, "embed": 0.03, "head": 0.03, "scalar": 0.03},
+    "adamw": {"matrix": 3e-3, "embed": 3e-3, "head": 3e-3, "scalar": 3e-3},
+}
+STEPS = 200
+
+
+def shape_flags(width: int) -> list[str]:
+    heads = width // 64
+    return ["--model.d_model", str(width), "--model.n_head", str(heads),
+            "--model.n_kv_head", str(max(1, heads // 2))]
+
+
+def lrs_of(optimizer: str, coord: str, k: int) -> dict[str, float]:
+    """Every swept group's lr in the run that moves `coord` by 2^k."""
+    lrs = dict(CENTRE[optimizer])
+    for group in coord.split("+"):
+        lrs[group] *= 2.0 ** k
+    return lrs
+
+
+def run_name(optimizer: str, width: int, seed: int, coord: str, k: int) -> str:
+    return f"{optimizer}_d{width}_s{seed}_" + ("centre" if k == 0 else f"{coord}{k:+d}")
+
+
+def plan(args) -> list[tuple[str, int, int, str, int]]:
+    """(optimizer, width, seed, coord, k) of every run, the cheap and central ones first, each
+    run once (the centre is every coordinate's k = 0)."""
+    out, seen = [], set()
+    for width in args.widths:
+        for seed in args.seeds:
+            for k in sorted(args.span, key=abs):
+                for coord in args.coords:
+                    name = run_name(args.optimizer, width, seed, coord, k)
+                    if name not in seen:
+                        seen.add(name)
+                        out.append((args.optimizer, width, seed, coord, k))
+    return out
+
+
+def train(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> None:
+    out = args.out_runs / run_name(optimizer, width, seed, coord, k)
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts again
+    lr_flags = [f for g, lr in lrs_of(optimizer, coord, k).items()
+                if g != "head" or args.untied for f in (f"--{KEYS[g]}", repr(lr))]
+    cmd = train_cmd(["--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(args.data),
+                     "--log.out_dir", str(out), "--optim.name", optimizer, *shape_flags(width),
+                     "--model.tie_embeddings", "false" if args.untied else "true",
+                     "--train.seed", str(seed), "--train.max_steps", str(STEPS),
+                     "--sample.every", "0", "--eval.every", "0", "--checkpoint.every", "0",
+                     "--log.log_every", "50", *lr_flags])
+    t0 = time.time()
+    res = run(cmd, timeout=args.timeout, retries=0)
+    print(f"{out.name}: exit {res.returncode} in {time.time() - t0:.0f} s", flush=True)
+    if res.returncode:
+        print(res.stdout[-2000:], flush=True)
+
+
+def final_loss(args, *key) -> float | None:
+    out = args.out_runs / run_name(*key)
+    if not finished(out, STEPS):
+        return None
+    return next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
+
+
+def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float]]]]:
+    """(coord, width) -> [(lr of the coord's first group, mean final val loss, per seed)] over
+    the grid points every seed has finished."""
+    result = {}
+    for coord in args.coords:
+        for width in args.widths:
+            points = []
+            for k in sorted(args.span):
+                losses = [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
+                if all(v is not None for v in losses):
+                    lr = lrs_of(args.optimizer, coord, k)[coord.split("+")[0]]
+                    points.append((lr, statistics.mean(losses), losses))
+            result[coord, width] = points
+    return result
+
+
+def factor(args, coord: str, width: int) -> float:
+    from pipeline.config import OptimConfig
+    from pipeline.optim.lrs import width_factor
+
+    rule = OptimConfig(name=args.optimizer, lr_ref_width=args.ref_width)
+    return width_factor(rule, coord.split("+")[0], width)
+
+
+def report(args) -> list[str]:
+    found = curves(args)
+    lines = [header(), f"# {args.optimizer}, coordinates {', '.join(args.coords)} around "
+             f"{CENTRE[args.optimizer]}, grid x2^k for k in {sorted(args.span)}, seeds {args.seeds}, "
+             f"{STEPS} steps of 8,192 tokens; final val loss (16,384 val tokens), mean over seeds",
+             "coord          width   lr        lr@ref    mean     per seed"]
+    best = {}
+    for (coord, width), points in found.items():
+        for lr, mean, losses in points:
+            lines.append(f"{coord:<14} {width:>5}   {lr:<9.4g} {lr / factor(args, coord, width):<9.4g} "
+                         f"{mean:.4f}   {' '.join(f'{v:.4f}' for v in losses)}")
+        if points:
+            best[coord, width] = min(points, key=lambda p: p[1])[0]
+    lines.append("# optimum per coordinate and width (grid steps of x2 from the narrowest width's)")
+    for coord in args.coords:
+        widths = [w for w in args.widths if (coord, w) in best]
+        if len(widths) < 2:
+            continue
+        w0 = widths[0]
+        for w in widths:
+            raw = math.log2(best[coord, w] / best[coord, w0])
+            ruled = raw - math.log2(factor(args, coord, w) / factor(args, coord, w0))
+            lines.append(f"{coord:<14} d{w}: best lr {best[coord, w]:.4g}, moved {raw:+.0f} steps "
+                         f"raw, {ruled:+.0f} under the rule")
+    return lines
+
+
+def plot(args, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = curves(args)
+    fig, axes = plt.subplots(2, len(args.coords), figsize=(5 * len(args.coords), 8), squeeze=False)
+    for j, coord in enumerate(args.coords):
+        for width in args.widths:
+            if points := found[coord, width]:
+                lrs, means = [p[0] for p in points], [p[1] for p in points]
+                axes[0, j].plot(lrs, means, "o-", label=f"d_model {width}")
+                axes[1, j].plot([lr / factor(args, coord, width) for lr in lrs], means, "o-",
+                                label=f"d_model {width}")
+        for i, what in enumerate(("lr", f"lr at reference width {args.ref_width} (the rule)")):
+            ax = axes[i, j]
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(f"{coord}: {what}")
+            ax.set_ylabel("final val loss (nats/token)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.suptitle(f"lr sweep, {args.optimizer}, 4 layers, {STEPS} steps x 8,192 tokens "
+                 f"(mean over seeds {args.seeds})")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=ROOT / "data" / "pystdlib",
+                   help="builtin:pystdlib prepared with --tokenizer bpe:4096 (lmforge prepare)")
+    p.add_argument("--runs", dest="out_runs", type=Path, default=ROOT / "runs" / "lr_sweep")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "lr_sweep", help="table and PNG")
+    p.add_argument("--name", default="lr_sweep", help="the table's and PNG's file name")
+    p.add_argument("--optimizer", default="muon", choices=sorted(CENTRE))
+    p.add_argument("--untied", action="store_true", help="an untied head (then 'head' is a group)")
+    p.add_argument("--coords", default="matrix,embed+scalar",
+                   help="comma-separated: a group of " + ", ".join(KEYS) + ", or groups joined by +")
+    p.add_argument("--widths", type=ints, default=[128, 256, 512])
+    p.add_argument("--seeds", type=ints, default=[2001, 2002])
+    p.add_argument("--span", type=ints, default=[-1, 0, 1], help="the k of the x2^k grid")
+    p.add_argument("--ref-width", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args()
+    args.coords = args.coords.split(",")
+    if not args.report_only:
+        if not (args.data / "manifest.json").is_file():
+            sys.exit(f"error: no prepared data at {args.data}; run lmforge prepare --source "
+                     f"builtin:pystdlib --tokenizer bpe:4096 --out {args.data}")
+        for key in plan(args):
+            if final_loss(args, *key) is None:
+                train(args, *key)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = report(args)
+    (args.out / f"{args.name}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(args, args.out / f"{args.name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
