@@ -63,8 +63,8 @@ def plan(args) -> list[tuple[str, int, int, str, int]]:
     """(optimizer, width, seed, coord, k) of every run, the cheap and central ones first, each
     run once (the centre is every coordinate's k = 0)."""
     out, seen = [], set()
-    for width in args.widths:
-        for seed in args.seeds:
+    for seed in args.seeds:
+        for width in args.widths:
             for k in sorted(args.span, key=abs):
                 for coord in args.coords:
                     name = run_name(args.optimizer, width, seed, coord, k)
@@ -99,19 +99,19 @@ def final_loss(args, *key) -> float | None:
     return next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
 
 
-def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float]]]]:
+def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float | None]]]]:
     """(coord, width) -> [(lr of the coord's first group, mean final val loss, per seed)] over
-    the grid points every seed has finished."""
+    the grid points that the seeds finished so far have in common (None: a seed not run yet)."""
     result = {}
     for coord in args.coords:
         for width in args.widths:
-            points = []
-            for k in sorted(args.span):
-                losses = [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
-                if all(v is not None for v in losses):
-                    lr = lrs_of(args.optimizer, coord, k)[coord.split("+")[0]]
-                    points.append((lr, statistics.mean(losses), losses))
-            result[coord, width] = points
+            grid = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
+                    for k in sorted(args.span)}
+            common = [i for i in range(len(args.seeds)) if all(v[i] is not None for v in grid.values())]
+            result[coord, width] = [
+                (lrs_of(args.optimizer, coord, k)[coord.split("+")[0]],
+                 statistics.mean(losses[i] for i in common), losses)
+                for k, losses in grid.items() if common]
     return result
 
 
@@ -132,11 +132,15 @@ def report(args) -> list[str]:
     best = {}
     for (coord, width), points in found.items():
         for lr, mean, losses in points:
+            seeds = " ".join("-" if v is None else f"{v:.4f}" for v in losses)
             lines.append(f"{coord:<14} {width:>5}   {lr:<9.4g} {lr / factor(args, coord, width):<9.4g} "
-                         f"{mean:.4f}   {' '.join(f'{v:.4f}' for v in losses)}")
+                         f"{mean:.4f}   {seeds}")
         if points:
             best[coord, width] = min(points, key=lambda p: p[1])[0]
-    lines.append("# optimum per coordinate and width (grid steps of x2 from the narrowest width's)")
+            if best[coord, width] in (points[0][0], points[-1][0]):
+                lines.append(f"# {coord} d{width}: the best is at the grid's edge; widen --span")
+    lines.append("# optimum per coordinate and width (grid steps of x2 from the narrowest width's), "
+                 "over the seeds every point of both has")
     for coord in args.coords:
         widths = [w for w in args.widths if (coord, w) in best]
         if len(widths) < 2:

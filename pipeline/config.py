@@ -80,7 +80,7 @@ class OptimConfig:
     under both: lr (matrices), embed_lr, head_lr, scalar_lr (README "Learning rates")."""
     lr: float = 3e-3
     """Peak lr of the weight matrices (Muon's under muon, AdamW's under adamw), reached at the end
-    of the warmup; Muon's usual is 0.02 (configs/tiny.toml), AdamW's 3e-3 at this size."""
+    of the warmup; Muon's usual is 0.02 (configs/tiny.toml), AdamW's 3e-3 (the default)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     warmup_steps: int = 20

@@ -11,10 +11,18 @@ parameters is a group of the optimizer's state, whatever the lrs, so a resume re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # pipeline.config imports this module
-    from pipeline.config import OptimConfig
+
+class LrKeys(Protocol):
+    """What these rules read of pipeline.config.OptimConfig (which imports this module)."""
+
+    name: str
+    lr: float
+    embed_lr: float
+    head_lr: float
+    scalar_lr: float
+    lr_ref_width: int
 
 GROUPS = ("matrix", "embed", "head", "scalar")
 
@@ -36,20 +44,20 @@ def group_of(name: str, ndim: int) -> str:
     return "head" if "lm_head" in parts else "matrix" if ndim >= 2 else "scalar"
 
 
-def given_lrs(o: OptimConfig) -> dict[str, float]:
+def given_lrs(o: LrKeys) -> dict[str, float]:
     """Each group's peak lr as the config gives it (at lr_ref_width when that is set)."""
     return {"matrix": o.lr, "embed": o.embed_lr or o.lr, "head": o.head_lr or o.lr,
             "scalar": o.scalar_lr or o.lr}
 
 
-def width_factor(o: OptimConfig, group: str, d_model: int) -> float:
+def width_factor(o: LrKeys, group: str, d_model: int) -> float:
     """What optim.lr_ref_width's rule multiplies `group`'s given lr by at `d_model` (1 when off)."""
     if not o.lr_ref_width:
         return 1.0
     return (d_model / o.lr_ref_width) ** WIDTH_EXPONENTS[o.name][group]
 
 
-def peak_lrs(o: OptimConfig, d_model: int) -> dict[str, float]:
+def peak_lrs(o: LrKeys, d_model: int) -> dict[str, float]:
     """Each group's peak lr for a model of width `d_model`: the given lr, width rule applied."""
     return {g: lr * width_factor(o, g, d_model) for g, lr in given_lrs(o).items()}
 
