@@ -115,6 +115,19 @@ def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float | 
     return result
 
 
+def vertex(points: list[tuple[float, float, list]]) -> float:
+    """The lr at the minimum of the parabola in log2(lr) through the best grid point and its two
+    neighbours (the best point itself where it is at an edge or the parabola opens downwards)."""
+    i = min(range(len(points)), key=lambda j: points[j][1])
+    if i in (0, len(points) - 1):
+        return points[i][0]
+    (x0, y0), (x1, y1), (x2, y2) = ((math.log2(p[0]), p[1]) for p in points[i - 1:i + 2])
+    curvature = (y2 - 2 * y1 + y0) / ((x2 - x1) * (x1 - x0))  # an even grid: x2 - x1 = x1 - x0
+    if curvature <= 0:
+        return points[i][0]
+    return 2 ** (x1 - (y2 - y0) / (2 * (x2 - x1)) / curvature)
+
+
 def factor(args, coord: str, width: int) -> float:
     from pipeline.config import OptimConfig
     from pipeline.optim.lrs import width_factor
@@ -136,11 +149,12 @@ def report(args) -> list[str]:
             lines.append(f"{coord:<14} {width:>5}   {lr:<9.4g} {lr / factor(args, coord, width):<9.4g} "
                          f"{mean:.4f}   {seeds}")
         if points:
-            best[coord, width] = min(points, key=lambda p: p[1])[0]
-            if best[coord, width] in (points[0][0], points[-1][0]):
+            best[coord, width] = vertex(points)
+            if min(points, key=lambda p: p[1]) in (points[0], points[-1]):
                 lines.append(f"# {coord} d{width}: the best is at the grid's edge; widen --span")
-    lines.append("# optimum per coordinate and width (grid steps of x2 from the narrowest width's), "
-                 "over the seeds every point of both has")
+    lines.append("# optimum per coordinate and width: the vertex of the parabola in log2(lr) through "
+                 "the best point and its neighbours; moved = log2 of its ratio to the narrowest width's "
+                 "(grid steps of x2)")
     for coord in args.coords:
         widths = [w for w in args.widths if (coord, w) in best]
         if len(widths) < 2:
@@ -149,8 +163,8 @@ def report(args) -> list[str]:
         for w in widths:
             raw = math.log2(best[coord, w] / best[coord, w0])
             ruled = raw - math.log2(factor(args, coord, w) / factor(args, coord, w0))
-            lines.append(f"{coord:<14} d{w}: best lr {best[coord, w]:.4g}, moved {raw:+.0f} steps "
-                         f"raw, {ruled:+.0f} under the rule")
+            lines.append(f"{coord:<14} d{w}: best lr {best[coord, w]:.4g}, moved {raw:+.2f} steps "
+                         f"raw, {ruled:+.2f} under the rule")
     return lines
 
 
