@@ -8,7 +8,7 @@ configs/tiny.toml's run (4 layers, head_dim 64, KV heads half the heads, seq 256
 step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 4,096-id BPE, at
 each --widths d_model. A coordinate sweep: the centre (CENTRE), then one coordinate (--coords: a
 group's lr, or groups joined by '+' moved together) at centre x 2^k for k in --span, the others at
-the centre. Each run is `python -m launch.train` in a subprocess with one thread (bench.runs);
+the centre; where a coordinate's best is at its grid's edge, the sweep walks on by one k at a time. Each run is `python -m launch.train` in a subprocess with one thread (bench.runs);
 its result is the final val loss in its metrics.jsonl, and a run with one is not run again, so an
 interrupted sweep continues where it stopped. Seeds 2001.. by default: not the reported runs'.
 
@@ -20,6 +20,7 @@ OUT/lr_sweep.png and OUT/lr_sweep.txt (bench/results/lr_sweep_zen4.* with --out 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import shutil
 import statistics
@@ -39,6 +40,7 @@ CENTRE = {  # configs/tiny.toml's lrs (Muon) and a plain AdamW run's
     "adamw": {"matrix": 3e-3, "embed": 3e-3, "head": 3e-3, "scalar": 3e-3},
 }
 STEPS = 200
+MAX_K = 4
 
 
 def shape_flags(width: int) -> list[str]:
@@ -60,18 +62,47 @@ def run_name(optimizer: str, width: int, seed: int, coord: str, k: int) -> str:
 
 
 def plan(args) -> list[tuple[str, int, int, str, int]]:
-    """(optimizer, width, seed, coord, k) of every run, the cheap and central ones first, each
-    run once (the centre is every coordinate's k = 0)."""
+    """(optimizer, width, seed, coord, k) of every run of --span, the cheap and central ones
+    first, each run once (the centre is every coordinate's k = 0)."""
     out, seen = [], set()
     for seed in args.seeds:
         for width in args.widths:
-            for k in sorted(args.span, key=abs):
+            for k in sorted(args.span, key=lambda k: (abs(k), -k)):  # the higher lr first
                 for coord in args.coords:
                     name = run_name(args.optimizer, width, seed, coord, k)
                     if name not in seen:
                         seen.add(name)
                         out.append((args.optimizer, width, seed, coord, k))
     return out
+
+
+def extension(args, width: int, seed: int, coord: str) -> int | None:
+    """The next k to run where a finished coordinate's best is at its grid's edge (up to
+    x2^+-MAX_K): the sweep walks on until its optimum has a worse neighbour on both sides."""
+    done = {k: v for k in range(-MAX_K, MAX_K + 1)
+            if (v := final_loss(args, args.optimizer, width, seed, coord, k)) is not None}
+    if not set(args.span) <= set(done):
+        return None
+    best = min(done, key=done.get)
+    if best == max(done) and best < MAX_K:
+        return best + 1
+    if best == min(done) and best > -MAX_K:
+        return best - 1
+    return None
+
+
+def next_run(args, tried: set) -> tuple[str, int, int, str, int] | None:
+    """The first run neither finished nor tried by this process: each seed and width's --span
+    runs, then their extensions, before the next width's."""
+    for (_, width, seed), keys in itertools.groupby(plan(args), key=lambda key: key[:3]):
+        for key in keys:
+            if key not in tried and final_loss(args, *key) is None:
+                return key
+        for coord in args.coords:
+            k = extension(args, width, seed, coord)
+            if k is not None and (ext := (args.optimizer, width, seed, coord, k)) not in tried:
+                return ext
+    return None
 
 
 def train(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> None:
@@ -106,7 +137,8 @@ def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float | 
     for coord in args.coords:
         for width in args.widths:
             grid = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
-                    for k in sorted(args.span)}
+                    for k in range(-MAX_K, MAX_K + 1)}
+            grid = {k: losses for k, losses in grid.items() if any(v is not None for v in losses)}
             common = [i for i in range(len(args.seeds)) if all(v[i] is not None for v in grid.values())]
             result[coord, width] = [
                 (lrs_of(args.optimizer, coord, k)[coord.split("+")[0]],
@@ -224,9 +256,10 @@ def main() -> int:
         if not (args.data / "manifest.json").is_file():
             sys.exit(f"error: no prepared data at {args.data}; run lmforge prepare --source "
                      f"builtin:pystdlib --tokenizer bpe:4096 --out {args.data}")
-        for key in plan(args):
-            if final_loss(args, *key) is None:
-                train(args, *key)
+        tried = set()
+        while (key := next_run(args, tried)) is not None:
+            tried.add(key)
+            train(args, *key)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = report(args)
     (args.out / f"{args.name}.txt").write_text("\n".join(lines) + "\n")
