@@ -41,6 +41,7 @@ CENTRE = {  # configs/tiny.toml's lrs (Muon) and a plain AdamW run's
 }
 STEPS = 200
 MAX_K = 4
+EXPONENTS = (0, -0.5, -1)  # width rules to compare: none, nanochat's AdamW groups', muP's hidden AdamW
 
 
 def shape_flags(width: int) -> list[str]:
@@ -195,8 +196,9 @@ def report(args) -> list[str]:
         for w in widths:
             raw = math.log2(best[coord, w] / best[coord, w0])
             ruled = raw - math.log2(factor(args, coord, w) / factor(args, coord, w0))
+            candidates = " ".join(f"{e:g}: {raw - e * math.log2(w / w0):+.2f}" for e in EXPONENTS)
             lines.append(f"{coord:<14} d{w}: best lr {best[coord, w]:.4g}, moved {raw:+.2f} steps "
-                         f"raw, {ruled:+.2f} under the rule")
+                         f"raw, {ruled:+.2f} under the rule; under exponent {candidates}")
     return lines
 
 
