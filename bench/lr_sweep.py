@@ -9,8 +9,8 @@ step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 
 each --widths d_model. A coordinate sweep: the centre (CENTRE), then one coordinate (--coords: a
 group's lr, or groups joined by '+' moved together) at centre x 2^k for k in --span, the others at
 the centre; where a coordinate's best is at its grid's edge, the sweep walks on by one k at a time. Each run is `python -m launch.train` in a subprocess with one thread (bench.runs);
-its result is the final val loss in its metrics.jsonl, and a run with one is not run again, so an
-interrupted sweep continues where it stopped. Seeds 2001.. by default: not the reported runs'.
+its result is the final val loss in its metrics.jsonl, kept in --ledger (committed), and a run
+with one is not run again, so an interrupted sweep continues where it stopped, in any checkout. Seeds 2001.. by default: not the reported runs'.
 
 The rule: the same runs plotted against the lr at --ref-width, i.e. the lr divided by
 pipeline/optim/lrs.py's width_factor (optim.lr_ref_width's rule). Writes
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import shutil
 import statistics
@@ -28,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, header
+from bench.common import ROOT, header, machine
 from bench.recipe import finished
 from bench.runs import run, train_cmd
 from bench.speedrun import read_records
@@ -124,11 +125,30 @@ def train(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> No
         print(res.stdout[-2000:], flush=True)
 
 
+def ledger(args) -> dict[str, dict]:
+    """The finished runs, by name: --ledger (committed, so that a sweep continues in another
+    checkout), one JSON line each, appended as each run ends."""
+    if not args.ledger.is_file():
+        return {}
+    return {(r := json.loads(ln))["run"]: r for ln in args.ledger.read_text().splitlines() if ln}
+
+
 def final_loss(args, *key) -> float | None:
-    out = args.out_runs / run_name(*key)
+    name = run_name(*key)
+    optimizer, width, seed, coord, k = key
+    if (done := ledger(args).get(name)) is not None and done["lrs"] == lrs_of(optimizer, coord, k):
+        return done["val_loss"]  # (a run of another CENTRE is not this one)
+    out = args.out_runs / name
     if not finished(out, STEPS):
         return None
-    return next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
+    loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
+    record = {"run": name, "val_loss": loss, "optimizer": optimizer, "d_model": width, "seed": seed,
+              "coord": coord, "k": k, "lrs": lrs_of(optimizer, coord, k), "steps": STEPS,
+              "machine": machine(), "finished": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                              time.gmtime(out.stat().st_mtime))}
+    with args.ledger.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return loss
 
 
 def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float | None]]]]:
@@ -242,6 +262,8 @@ def main() -> int:
     p.add_argument("--runs", dest="out_runs", type=Path, default=ROOT / "runs" / "lr_sweep")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "lr_sweep", help="table and PNG")
     p.add_argument("--name", default="lr_sweep", help="the table's and PNG's file name")
+    p.add_argument("--ledger", type=Path, default=ROOT / "bench" / "results" / "lr_sweep_zen4_runs.jsonl",
+                   help="the finished runs' final val losses (a run there is not run again)")
     p.add_argument("--optimizer", default="muon", choices=sorted(CENTRE))
     p.add_argument("--untied", action="store_true", help="an untied head (then 'head' is a group)")
     p.add_argument("--coords", default="matrix,embed+scalar",
