@@ -201,18 +201,17 @@ def report(args) -> list[str]:
             seeds = " ".join("-" if v is None else f"{v:.4f}" for v in losses)
             lines.append(f"{coord:<14} {width:>5}   {lr:<9.4g} {lr / factor(args, coord, width):<9.4g} "
                          f"{mean:.4f}   {seeds}")
-        if points:
+        if points and min(points, key=lambda p: p[1]) in (points[0], points[-1]):
+            lines.append(f"# {coord} d{width}: the best is at the grid's edge, no optimum yet")
+        elif points:
             best[coord, width] = vertex(points)
-            if min(points, key=lambda p: p[1]) in (points[0], points[-1]):
-                lines.append(f"# {coord} d{width}: the best is at the grid's edge; widen --span")
     lines.append("# optimum per coordinate and width: the vertex of the parabola in log2(lr) through "
                  "the best point and its neighbours; moved = log2 of its ratio to the narrowest width's "
+                 "bracketed one "
                  "(grid steps of x2)")
     for coord in args.coords:
         widths = [w for w in args.widths if (coord, w) in best]
-        if len(widths) < 2:
-            continue
-        w0 = widths[0]
+        w0 = widths[0] if widths else 0
         for w in widths:
             raw = math.log2(best[coord, w] / best[coord, w0])
             ruled = raw - math.log2(factor(args, coord, w) / factor(args, coord, w0))
