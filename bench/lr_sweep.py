@@ -193,7 +193,8 @@ def report(args) -> list[str]:
     found = curves(args)
     lines = [header(), f"# {args.optimizer}, coordinates {', '.join(args.coords)} around "
              f"{CENTRE[args.optimizer]}, grid x2^k for k in {sorted(args.span)}, seeds {args.seeds}, "
-             f"{STEPS} steps of 8,192 tokens; final val loss (16,384 val tokens), mean over seeds",
+             f"{STEPS} steps of 8,192 tokens; final val loss (16,384 val tokens); mean over the seeds that "
+             "finished every point of that curve (- = a seed's run not finished)",
              "coord          width   lr        lr@ref    mean     per seed"]
     best = {}
     for (coord, width), points in found.items():
@@ -244,7 +245,7 @@ def plot(args, png: Path) -> None:
             ax.grid(alpha=0.3)
             ax.legend()
     fig.suptitle(f"lr sweep, {args.optimizer}, 4 layers, {STEPS} steps x 8,192 tokens "
-                 f"(mean over seeds {args.seeds})")
+                 f"(mean over those of seeds {args.seeds} that finished each curve)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

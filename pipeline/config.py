@@ -101,7 +101,7 @@ class OptimConfig:
     lr_ref_width: int = 0
     """0 = every lr as given. Else the lrs are given at d_model = lr_ref_width and each group's is
     scaled to the model's width by (d_model / lr_ref_width) ** its exponent (pipeline/optim/lrs.py:
-    muon matrices 0; AdamW matrices and head -1; tables and gains 0)."""
+    muon matrices 0; AdamW matrices and head -1; tables and gains 0: priors, not yet measured)."""
     beta1: float = 0.9
     """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95

@@ -27,7 +27,8 @@ class LrKeys(Protocol):
 GROUPS = ("matrix", "embed", "head", "scalar")
 
 # optim.lr_ref_width's rule: a group's lr at d_model = its lr at the reference width times
-# (d_model / lr_ref_width) ** exponent. Muon's orthogonalised update has a fixed spectral norm
+# (d_model / lr_ref_width) ** exponent. Priors, not yet measured here (bench/lr_sweep.py has not
+# bracketed an optimum at two widths): Muon's orthogonalised update has a fixed spectral norm
 # whatever the width, so its lr carries as is; AdamW's hidden matrices and head take muP's 1/width
 # (Tensor Programs V, Table 3), its tables and gains none.
 WIDTH_EXPONENTS = {
