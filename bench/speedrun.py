@@ -1,11 +1,11 @@
 """Speedrun: steps, tokens and wall-clock for Muon to reach AdamW's final validation loss.
 
     python -m bench.speedrun                       # 3 seeds x (adamw, muon), ~32 min on 2 cores
-    python -m bench.speedrun --seeds 5 --steps 200 --muon "--optim.muon_lr 0.03"
+    python -m bench.speedrun --seeds 5 --steps 200 --muon "--optim.lr 0.03"
     python -m bench.speedrun --report-only         # the table again, from the runs in --out
 
 The demo's data (builtin:pystdlib, BPE 4096, prepared once into --data) and model
-(configs/tiny.toml), in fp32, trained by the pipeline itself (pipeline.train.Trainer, one process).
+(configs/tiny.toml: Muon at its lrs; AdamW at 3e-3), in fp32, trained by the pipeline itself (pipeline.train.Trainer, one process).
 Both optimizers see the same seed, the same batches in the same order and the same token budget,
 and are evaluated on the same val tokens every --eval-every steps. For each seed the target is
 AdamW's final val loss; a run reaches it at the first evaluation at or below it. Wall-clock is the
@@ -170,7 +170,9 @@ def main() -> int:
     args = p.parse_args()
 
     data = None if args.report_only else prepare_data(args.data)
-    variants = {"adamw": ["--optim.name", "adamw", *shlex.split(args.adamw)],
+    # AdamW at 3e-3 for every group (0 = optim.lr), configs/tiny.toml's before it took Muon.
+    variants = {"adamw": ["--optim.name", "adamw", "--optim.lr", "3e-3", "--optim.embed_lr", "0",
+                          "--optim.scalar_lr", "0", *shlex.split(args.adamw)],
                 "muon": ["--optim.name", "muon", *shlex.split(args.muon)]}
     t0 = time.perf_counter()
     records: dict[str, list[list[dict]]] = {name: [] for name in variants}

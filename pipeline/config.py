@@ -22,6 +22,7 @@ from model.model import ModelConfig
 from pipeline.checkpoint.hf_init import init_from_model
 from pipeline.checkpoint.run_dir import RunDir
 from pipeline.data.config import DATA_KEYS, DataConfig, validate_data
+from pipeline.optim.lrs import legacy_optim, peak_lrs
 from pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
 from pipeline.typed_config import bad_value as _bad
 
@@ -75,10 +76,12 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
-    """adamw: AdamW for every parameter. muon: Muon for the transformer blocks' matrices (at
-    muon_lr), AdamW for the token embedding / LM head and the norms (at lr)."""
+    """adamw: AdamW for every parameter. muon: Muon for the blocks' weight matrices, AdamW for the
+    embedding table(s), the LM head and the norms' gains. Each group's lr has one key, the same
+    under both: lr (matrices), embed_lr, head_lr, scalar_lr (README "Learning rates")."""
     lr: float = 3e-3
-    """Peak learning rate, reached at the end of the warmup (with muon: the AdamW groups')."""
+    """Peak lr of the weight matrices (Muon's under muon, AdamW's under adamw), reached at the end
+    of the warmup; Muon's usual is 0.02 (configs/tiny.toml), AdamW's 3e-3 (the default)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     warmup_steps: int = 20
@@ -90,10 +93,16 @@ class OptimConfig:
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
     embed_lr: float = 0.0
-    """Peak lr of the token (and value) embedding tables, AdamW; 0 = lr. A lookup table takes a far
-    larger lr than the head (nanochat, modded-nanogpt); needs model.tie_embeddings = false."""
+    """Peak lr of the token (tied: also the head's) and value embedding tables, AdamW; 0 = lr. A
+    lookup table takes a far larger lr than an untied head (nanochat, modded-nanogpt)."""
     head_lr: float = 0.0
-    """Peak lr of the LM head, AdamW; 0 = lr. Needs model.tie_embeddings = false."""
+    """Peak lr of an untied LM head, AdamW; 0 = lr. Needs model.tie_embeddings = false."""
+    scalar_lr: float = 0.0
+    """Peak lr of the 1-D gains (the RMSNorm weights), AdamW, no weight decay; 0 = lr."""
+    lr_ref_width: int = 0
+    """0 = every lr as given. Else the lrs are given at d_model = lr_ref_width and each group's is
+    scaled to the model's width by (d_model / lr_ref_width) ** its exponent (pipeline/optim/lrs.py:
+    muon matrices 0; AdamW matrices and head -1; tables and gains 0: priors, not yet measured)."""
     beta1: float = 0.9
     """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95
@@ -104,9 +113,6 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     fused: Literal["auto", "on", "off"] = "auto"
     """Fused AdamW kernel (one pass per parameter); auto = on CUDA and CPU, where torch has it."""
-    muon_lr: float = 0.02
-    """muon: peak lr of the block matrices, scaled by sqrt(max(1, rows/cols)) per matrix (torch's
-    default); 0.02 as in Keller Jordan's Muon, modded-nanogpt and nanochat."""
     muon_momentum: float = 0.95
     """muon: momentum after its warmup (Muon's, modded-nanogpt's and nanochat's 0.95)."""
     muon_momentum_start: float = 0.85
@@ -230,6 +236,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
         except (OSError, UnicodeDecodeError) as e:  # a directory, a permission, binary bytes
             raise ConfigError(f"cannot read config file '{path}' ({e}); give a TOML file") from None
+    if "muon_lr" in (optim := d.get("optim", {})):  # written for the old lr keys: same lrs in today's
+        d["optim"] = legacy_optim(optim, d.get("model", {}).get("tie_embeddings", True))
     # The data named on the command line replaces the file's, whichever way each names it.
     if named := {k for k, _ in parse_overrides(list(overrides))} & {f"data.{k}" for k in DATA_KEYS}:
         for key in DATA_KEYS:
@@ -237,17 +245,6 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
                 d.get("data", {}).pop(key, None)
     d, overrides = init_from_model(d, list(overrides))  # [model] from its config.json
     return config_from_dict(apply_overrides(JobConfig, d, overrides))
-
-
-def table_lrs(o: OptimConfig) -> dict[str, float]:
-    """The lrs an untied model's tables may have of their own, by AdamW group kind (0 = lr)."""
-    return {"embed": o.embed_lr, "head": o.head_lr}
-
-
-def own_lr_groups(o: OptimConfig) -> list[str]:
-    """The AdamW groups a run adds for lrs of their own ("embed", "head"): part of its optimizer
-    state's layout, so a resume cannot add or drop one."""
-    return [kind for kind, lr in table_lrs(o).items() if lr and lr != o.lr]
 
 
 def wsd_decay_steps(max_steps: int, o: OptimConfig) -> int:
@@ -303,11 +300,11 @@ def validate(cfg: JobConfig) -> None:
     need(0 < o.decay_fraction <= 1, "optim.decay_fraction", "in (0, 1]")
     need(0 < o.eps < 1, "optim.eps", "a small number > 0, e.g. 1e-8")
     need(o.grad_clip >= 0, "optim.grad_clip", ">= 0; 0 disables clipping")
-    need(o.muon_lr > 0, "optim.muon_lr", "a finite number > 0, e.g. 0.02")
-    for key in ("optim.embed_lr", "optim.head_lr"):
-        need(flat[key] >= 0, key, ">= 0; 0 = optim.lr")
-        need(flat[key] == 0 or not m.tie_embeddings, key, "0 while model.tie_embeddings = true (the "
-             "tied table is also the head); set model.tie_embeddings = false for lrs of their own")
+    for key in ("optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.lr_ref_width"):
+        need(flat[key] >= 0, key, ">= 0; 0 = " + ("off" if key == "optim.lr_ref_width" else "optim.lr"))
+    need(o.head_lr == 0 or not m.tie_embeddings, "optim.head_lr", "0 while model.tie_embeddings = "
+         "true (the tied table is the head, at optim.embed_lr); set model.tie_embeddings = false "
+         "for an lr of its own")
     try:
         cfg.sample.params()
     except SamplingError as err:
@@ -360,16 +357,20 @@ def _human(n: float) -> str:
     return f"{n:g}"
 
 
-def _describe_optimizer(o: OptimConfig) -> str:
-    own = "".join(f"; {'embedding' if kind == 'embed' else kind} {lr:g}"
-                  for kind, lr in table_lrs(o).items() if lr)
+def _describe_optimizer(o: OptimConfig, m: ModelConfig) -> str:
+    lrs = peak_lrs(o, m.d_model)
+    tables = (f"AdamW for the embedding table(s) at peak lr {lrs['embed']:g}"
+              + ("" if m.tie_embeddings else f", the head at {lrs['head']:g}")
+              + f", the norms' gains at {lrs['scalar']:g}"
+              + (f" (lrs given at d_model {o.lr_ref_width}, scaled to {m.d_model})" if o.lr_ref_width else ""))
     if o.name == "adamw":
-        return f"AdamW (betas {o.beta1:g}/{o.beta2:g}, weight decay {o.weight_decay:g} on matrices{own})"
+        return (f"AdamW (betas {o.beta1:g}/{o.beta2:g}) for the matrices at peak lr "
+                f"{lrs['matrix']:g}, weight decay {o.weight_decay:g} on matrices and tables; {tables}")
     momentum = (f"{o.muon_momentum_start:g}->{o.muon_momentum:g} over "
                 f"{o.muon_momentum_warmup_steps} steps" if o.muon_momentum_warmup_steps
                 else f"{o.muon_momentum:g}")
-    return (f"Muon for the block matrices (peak lr {o.muon_lr:g}, momentum {momentum}, weight "
-            f"decay {o.muon_weight_decay:g}); AdamW for embedding/head and norms (peak lr {o.lr:g}{own})")
+    return (f"Muon for the block matrices (peak lr {lrs['matrix']:g}, momentum {momentum}, weight "
+            f"decay {o.muon_weight_decay:g}); {tables}")
 
 
 def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
@@ -380,10 +381,10 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
         decay = (f"warmup longer than the run: it ends at {t.max_steps / o.warmup_steps:.0%} of the "
                  "peak (lower optim.warmup_steps to reach it)")
     elif o.schedule == "cosine":
-        decay = f"cosine to {o.lr * o.min_lr_ratio:.3g}"
+        decay = f"cosine to {o.min_lr_ratio:g} x the peak"
     else:
         decay = (f"stable, then linear decay over the last {wsd_decay_steps(t.max_steps, o)} steps "
-                 f"to {o.lr * o.min_lr_ratio:.3g}")
+                 f"to {o.min_lr_ratio:g} x the peak")
     return "\n".join([
         f"model:     {_human(n_params)} params ({m.n_layer} layers, d_model {m.d_model}, "
         f"{m.n_head} heads / {m.n_kv_head} kv heads, vocab {vocab}, context {m.max_seq_len})",
@@ -396,8 +397,8 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
         f"tokens/param; Chinchilla-optimal is ~20)"
         + (f"; sized to a {t.time_budget_s:g} s budget after {CALIBRATION_STEPS} timed steps"
            if t.time_budget_s else ""),
-        f"lr:        peak {o.lr:g} after {o.warmup_steps} warmup steps, {decay}",
-        f"optimizer: {_describe_optimizer(o)}",
+        f"lr:        each group's peak after {o.warmup_steps} warmup steps, {decay}",
+        f"optimizer: {_describe_optimizer(o, m)}",
         f"numerics:  dtype {t.dtype} (fp32 master weights), compile {t.compile}, attention "
         f"{t.attention}, loss {t.loss}, parallel {t.parallel}, device {t.device}",
     ])

@@ -365,7 +365,8 @@ class Trainer:
     def _step(self, progress: Progress) -> tuple[dict, bool]:
         """One optimizer step with its bookkeeping: (the step's metrics record, stop requested)."""
         cfg, step_tokens = self.cfg, self.cfg.train.global_batch_tokens
-        lr = apply_schedule(self.optimizer, self.step, cfg.train.max_steps, cfg.optim)
+        lr = apply_schedule(self.optimizer, self.step, cfg.train.max_steps, cfg.optim,
+                            self.model_cfg.d_model)
         t0 = budget.now()
         loss, grad_norm, stop = self.train_step()
         # No extra cuda.synchronize: train_step syncs once before its optimizer step, which

@@ -183,7 +183,7 @@ def test_checkpoint_meta_is_typed_versioned_and_round_trips(trained, tmp_path):
     assert "parallel" not in raw and raw["version"] == ckpt.VERSION
     assert ckpt.read_meta(run_dir / "final").loader is None
     (step / "meta.json").write_text(json.dumps(raw | {"version": 1}))
-    with pytest.raises(ckpt.CheckpointError, match="format version 1, this lmforge reads version 2"):
+    with pytest.raises(ckpt.CheckpointError, match="format version 1, this lmforge reads versions 2, 3"):
         ckpt.read_meta(step)
     (step / "meta.json").write_text(json.dumps(raw | {"config": {"train": {"max_step": 3}}}))
     with pytest.raises(ckpt.CheckpointError, match="meta.json is invalid.*max_step"):

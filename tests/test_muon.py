@@ -28,7 +28,8 @@ STEPS = 12
 def args_for(data, out, *extra):
     # 1024 tokens per step: 4 micro-steps of 4 x 64 on 1 rank, 2 per rank on 2 ranks.
     return run_args(data, out, "--train.global_batch_tokens", "1024", "--train.max_steps", str(STEPS),
-            "--optim.name", "muon", "--optim.muon_momentum_warmup_steps", "8",
+            "--optim.name", "muon", "--optim.muon_momentum_warmup_steps", "8", "--optim.lr", "0.02",
+            "--optim.embed_lr", "3e-3", "--optim.scalar_lr", "3e-3",
             "--checkpoint.every", "6", "--eval.every", "0", *extra)
 
 
@@ -39,7 +40,8 @@ def runs(tiny_data, tmp_path_factory):
     train(args_for(tiny_data, out["single"], "--train.parallel", "none"))
     train(args_for(tiny_data, out["ddp"], "--train.parallel", "ddp"), nproc=2)
     train(args_for(tiny_data, out["fsdp"], "--train.parallel", "fsdp"), nproc=2)
-    train(args_for(tiny_data, out["adamw"], "--train.parallel", "none", "--optim.name", "adamw"))
+    train(args_for(tiny_data, out["adamw"], "--train.parallel", "none", "--optim.name", "adamw",
+                       "--optim.lr", "3e-3"))
     return out
 
 

@@ -3,6 +3,7 @@ Muon/AdamW parameter split, Muon's fp32 step against torch's, config checks, exa
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -12,7 +13,6 @@ import torch
 from bench.runs import TINY_ARGS, losses
 from model import GPT, ModelConfig
 from pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
-from pipeline.errors import CheckpointError
 from pipeline.optim.optimizers import (
     Muon,
     Optimizers,
@@ -50,14 +50,15 @@ def test_wsd_first_peak_and_last():
 
 
 def test_each_group_follows_its_own_peak_and_muon_momentum_warms_up(tiny_model):
-    cfg = OptimConfig(name="muon", lr=3e-3, muon_lr=0.05, warmup_steps=4,
+    cfg = OptimConfig(name="muon", lr=0.05, embed_lr=3e-3, scalar_lr=3e-3, warmup_steps=4,
                       muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=10)
     opt = build_optimizer(tiny_model, cfg, torch.device("cpu"))
-    logged = apply_schedule(opt, 1, 100, cfg)
+    logged = apply_schedule(opt, 1, 100, cfg, tiny_model.cfg.d_model)
     m = lr_multiplier(1, 100, cfg)
-    assert logged == pytest.approx(3e-3 * m)
-    muon_groups = [g for g in opt.param_groups if g.get("kind") == "muon"]
-    adam_groups = [g for g in opt.param_groups if g.get("kind") != "muon"]
+    assert logged == pytest.approx(0.05 * m)  # the matrices' lr: Muon's
+    muon_groups = list(opt)[1].param_groups
+    adam_groups = list(opt)[0].param_groups
+    assert [g["kind"] for g in muon_groups] == ["matrix"]
     assert all(g["lr"] == pytest.approx(0.05 * m) for g in muon_groups)
     assert all(g["lr"] == pytest.approx(3e-3 * m) for g in adam_groups)
     assert muon_groups[0]["momentum"] == pytest.approx(0.86)
@@ -79,43 +80,48 @@ def test_muon_gets_the_block_matrices_and_adamw_the_rest(tiny_model):
     muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
     assert muon_names == {n for n, p in tiny_model.named_parameters()
                           if n.startswith("blocks.") and p.ndim == 2}
-    decay, no_decay = adamw.param_groups
-    assert [names[id(p)] for p in decay["params"]] == ["tok_emb.weight"]  # = the tied LM head
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    embed, scalar = adamw.param_groups
+    assert [names[id(p)] for p in embed["params"]] == ["tok_emb.weight"]  # = the tied LM head
+    assert (embed["kind"], scalar["kind"]) == ("embed", "scalar")
+    assert embed["weight_decay"] == 0.1 and scalar["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("norm.weight") or names[id(p)] == "norm_f.weight"
-               for p in no_decay["params"])
+               for p in scalar["params"])
     assert isinstance(build_optimizer(tiny_model, OptimConfig(), torch.device("cpu")),
                       torch.optim.AdamW)
 
 
 @pytest.mark.parametrize("name", ["muon", "adamw"])
-def test_embedding_and_head_lrs_have_groups_of_their_own(name):
+def test_each_lr_group_is_a_group_of_its_own_under_both_optimizers(name):
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                             max_seq_len=32, tie_embeddings=False, value_embeds=True))
     cfg = OptimConfig(name=name, lr=3e-3, embed_lr=0.3, head_lr=0.01, warmup_steps=4)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
-    apply_schedule(opt, 2, 100, cfg)
+    apply_schedule(opt, 2, 100, cfg, 64)
     m = lr_multiplier(2, 100, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
-    by_kind = {g.get("kind", ""): g for g in opt.param_groups if g.get("kind") != "muon"}
+    by_kind = {g["kind"]: g for g in opt.param_groups}
+    assert len(by_kind) == len(opt.param_groups) == 4
     assert sorted(names[id(p)] for p in by_kind["embed"]["params"]) == sorted(
         ["tok_emb.weight", *(f"value_embeds.{i}.weight" for i in model.cfg.value_embed_layers())])
     assert [names[id(p)] for p in by_kind["head"]["params"]] == ["lm_head.weight"]
+    assert {names[id(p)] for p in by_kind["matrix"]["params"]} == {
+        n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
     assert by_kind["embed"]["lr"] == pytest.approx(0.3 * m) and by_kind["head"]["lr"] == pytest.approx(0.01 * m)
-    rest = [g for g in opt.param_groups if g.get("kind") in (None, "")]
-    assert rest and all(g["lr"] == pytest.approx(3e-3 * m) for g in rest)
+    # 0 = optim.lr: the gains follow the matrices' lr, Muon's under muon as AdamW's under adamw
+    assert by_kind["matrix"]["lr"] == by_kind["scalar"]["lr"] == pytest.approx(3e-3 * m)
     grouped = [p for g in opt.param_groups for p in g["params"]]
     assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("key", ["optim.embed_lr", "optim.head_lr"])
-def test_an_lr_of_its_own_needs_an_untied_head(key):
-    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}.*tie_embeddings = false") as e:
-        load_config(None, [f"--{key}", "0.1"])
+def test_a_head_lr_needs_an_untied_head_and_a_tied_table_takes_embed_lr():
+    with pytest.raises(ConfigError, match=r"optim[.]head_lr.*tie_embeddings = false") as e:
+        load_config(None, ["--optim.head_lr", "0.1"])
     assert "\n" not in str(e.value)
-    cfg = load_config(None, [f"--{key}", "0.1", "--model.tie_embeddings", "false", "--optim.name", "muon"])
-    assert ("embedding 0.1" if key == "optim.embed_lr" else "head 0.1") in describe(cfg, derive(cfg, 1), 1000)
+    tied = load_config(None, ["--optim.embed_lr", "0.1", "--optim.name", "muon"])
+    assert "embedding table(s) at peak lr 0.1, the norms' gains at 0.003" in describe(tied, derive(tied, 1), 1000)
+    cfg = load_config(None, ["--optim.head_lr", "0.1", "--model.tie_embeddings", "false"])
+    assert "at peak lr 0.003, the head at 0.1" in describe(cfg, derive(cfg, 1), 1000)
 
 
 def _three_steps(opt_cls, **kw) -> torch.Tensor:
@@ -151,8 +157,9 @@ def test_optimizers_step_and_zero_grad_all(tiny_model):
 
 
 @pytest.mark.parametrize("override, key", [
-    (["--optim.muon_lr", "nan"], "optim.muon_lr"),
-    (["--optim.muon_lr", "inf"], "optim.muon_lr"),
+    (["--optim.muon_lr", "0.02"], "'optim.muon_lr' is gone: Muon's lr is optim.lr"),
+    (["--optim.scalar_lr", "inf"], "optim.scalar_lr"),
+    (["--optim.lr_ref_width", "-1"], "optim.lr_ref_width"),
     (["--optim.muon_momentum", "1.0"], "optim.muon_momentum"),
     (["--optim.muon_momentum_start", "-0.1"], "optim.muon_momentum_start"),
     (["--optim.muon_momentum_warmup_steps", "-1"], "optim.muon_momentum_warmup_steps"),
@@ -160,13 +167,13 @@ def test_optimizers_step_and_zero_grad_all(tiny_model):
     (["--optim.name", "sgd"], "optim.name"),
 ])
 def test_bad_muon_settings_are_one_line_errors(override, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("'", ".")) as e:
         load_config(None, override)
     assert "\n" not in str(e.value)
 
 
 def test_describe_names_the_optimizer():
-    cfg = load_config(None, ["--optim.name", "muon"])
+    cfg = load_config(None, ["--optim.name", "muon", "--optim.lr", "0.02"])
     text = describe(cfg, derive(cfg, 1), 1000)
     assert "optimizer: Muon for the block matrices (peak lr 0.02" in text
     assert "optimizer: AdamW" in describe(load_config(None, []), derive(cfg, 1), 1000)
@@ -175,6 +182,7 @@ def test_describe_names_the_optimizer():
 def _cfg(data, out, *extra):
     return load_config(None, ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS,
                               "--optim.name", "muon", "--optim.muon_momentum_warmup_steps", "6",
+                              "--optim.lr", "0.02", "--optim.embed_lr", "3e-3", "--optim.scalar_lr", "3e-3",
                               "--train.max_steps", "8", "--checkpoint.every", "4", *extra])
 
 
@@ -196,19 +204,19 @@ def test_muon_resume_is_exact_and_saves_momentum(tiny_data, tmp_path, own_lrs):
     assert {s: after[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
 
 
-def test_a_resume_retunes_the_tables_lrs_but_cannot_add_their_groups(tiny_data, tmp_path):
+def test_a_resume_retunes_any_groups_lr(tiny_data, tmp_path):
     untied = ["--model.tie_embeddings", "false"]
     Trainer(_cfg(tiny_data, tmp_path / "straight", *untied, "--optim.embed_lr", "0.1"), CPU).fit()
     step4 = "checkpoints/step_00000004"
-    for out, lrs in (("retuned", ["--optim.embed_lr", "0.2"]), ("added", ["--optim.head_lr", "0.01",
-                                                                          "--optim.embed_lr", "0.1"])):
-        shutil.copytree(tmp_path / "straight" / step4, tmp_path / out / step4)
-        args = (tiny_data, tmp_path / out, "--checkpoint.resume", "auto", *untied, *lrs)
-        if out == "retuned":
-            resumed = Trainer(_cfg(*args), CPU)
-            embed = next(g for g in resumed.optimizer.param_groups if g.get("kind") == "embed")
-            assert resumed.step == 4 and list(resumed.optimizer)[0].state[embed["params"][0]]["step"] == 4
-            continue
-        with pytest.raises(CheckpointError, match=r"resume with --optim.embed_lr 0.1 --optim.head_lr 0,") as e:
-            Trainer(_cfg(*args), CPU)
-        assert "\n" not in str(e.value) and not (tmp_path / out / "metrics.jsonl").exists()
+    shutil.copytree(tmp_path / "straight" / step4, tmp_path / "retuned" / step4)
+    resumed = Trainer(_cfg(tiny_data, tmp_path / "retuned", "--checkpoint.resume", "auto", *untied,
+                           "--optim.embed_lr", "0.2", "--optim.head_lr", "0.01", "--optim.lr", "0.04"), CPU)
+    assert resumed.step == 4
+    adamw = list(resumed.optimizer)[0]
+    for kind in ("embed", "head", "scalar"):
+        group = next(g for g in adamw.param_groups if g["kind"] == kind)
+        assert adamw.state[group["params"][0]]["step"] == 4, kind
+    resumed.fit()
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "retuned" / "metrics.jsonl").open())
+           if "lr" in r}
+    assert resumed.cfg.optim.lr == 0.04 and lrs[8] == pytest.approx(lr_at(7, 8, resumed.cfg.optim))

@@ -21,14 +21,15 @@ PRESET = Path(__file__).resolve().parents[1] / "configs" / "tiny_modern.toml"
 
 
 def preset_flags() -> list[str]:
-    """The preset's model options and the lrs of its tables as flags (the shape stays the tiny
+    """The preset's model options and its lrs as flags (the shape stays the tiny
     test model's)."""
     preset = tomllib.loads(PRESET.read_text())
     model, optim = preset["model"], preset["optim"]
     keys = [k for k in model if k in (*RECIPE_OPTIONS, "mlp", "tie_embeddings")]
-    assert {"mlp", "tie_embeddings"} <= set(keys) and {"embed_lr", "head_lr"} <= set(optim), keys
+    lrs = ("lr", "embed_lr", "head_lr", "scalar_lr")
+    assert {"mlp", "tie_embeddings"} <= set(keys) and set(lrs) <= set(optim), keys
     return [f for k in keys for f in (f"--model.{k}", str(model[k]).lower())] + [
-        f for k in ("embed_lr", "head_lr") for f in (f"--optim.{k}", str(optim[k]))]
+        f for k in lrs for f in (f"--optim.{k}", str(optim[k]))]
 
 
 def preset_args(data, out, *extra: str) -> list[str]:

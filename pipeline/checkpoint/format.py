@@ -48,14 +48,17 @@ from pipeline.config import (
     OptimConfig,
     config_from_dict,
     config_to_dict,
-    own_lr_groups,
 )
 from pipeline.data.config import DataConfig, check_same_schedule
 from pipeline.metrics import get_logger
+from pipeline.optim.lrs import legacy_optim
 from pipeline.parallel.distributed import DistInfo, barrier
 
 FORMAT = "lmforge-checkpoint"
-VERSION = 2  # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped
+# 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped. 3: optim.lr is the
+# matrices' lr under both optimizers, one optimizer group per lr group (pipeline/optim/lrs.py).
+VERSION = 3
+READS = (2, 3)  # a version 2 checkpoint evaluates, samples and exports; its resume is refused
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MAX_META_BYTES = 1 << 26  # a meta.json is kilobytes: its config, loader cursors and last record
 MAX_RNG_BYTES = 1 << 24  # torch's and each CUDA device's generator states
@@ -85,6 +88,7 @@ class CheckpointMeta:
     # The Hugging Face model the line started from (checkpoint.init_from): its path and each
     # weights file's sha256; None for a random start.
     source: dict | None = None
+    version: int = VERSION  # the format it was read as; only VERSION is ever written
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "step": self.step,
@@ -98,20 +102,24 @@ class CheckpointMeta:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             found = d.get("format") if isinstance(d, dict) else d
             raise CheckpointError(f"{where} is not an lmforge checkpoint (format={found!r})")
-        if d.get("version") != VERSION:
-            raise CheckpointError(f"{where} has checkpoint format version {d.get('version')}, "
-                                  f"this lmforge reads version {VERSION}; use the lmforge "
+        if (version := d.get("version")) not in READS:
+            raise CheckpointError(f"{where} has checkpoint format version {version}, "
+                                  f"this lmforge reads versions {', '.join(map(str, READS))}; use the lmforge "
                                   "version that wrote it")
         try:
+            config = d["config"]
+            if version == 2:  # its lrs in today's keys, same values
+                tied = config.get("model", {}).get("tie_embeddings", True)
+                config = {**config, "optim": legacy_optim(config.get("optim", {}), tied)}
             return cls(
                 step=_count(d["step"]), model=ModelConfig.from_dict(d["model"]),
-                config=config_from_dict(d["config"]), lineage=_typed(d["lineage"], str),
+                config=config_from_dict(config), lineage=_typed(d["lineage"], str),
                 parent_step=None if d["parent_step"] is None else _count(d["parent_step"]),
                 world_size=_count(d["world_size"]), bad_steps=_count(d["bad_steps"]),
                 loader=_typed(d["loader"], dict | None), record=_record(d.get("record")),
-                source=_typed(d.get("source"), dict | None),
+                source=_typed(d.get("source"), dict | None), version=version,
             )
-        except (KeyError, TypeError, ValueError, ConfigError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
             raise CheckpointError(f"{where}/meta.json is invalid ({type(e).__name__}: {e}); use "
                                   "another checkpoint") from None
 
@@ -362,13 +370,12 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim: OptimConfig,
         raise CheckpointError(f"checkpoint {ckpt_dir} holds {theirs} optimizer state, this run "
                               f"asks for optim.name = {optim.name}; resume with --optim.name "
                               f"{theirs}, or start a new run directory")
-    if own_lr_groups(old := meta.config.optim) != own_lr_groups(optim):
+    if meta.version != VERSION:
         raise CheckpointError(
-            f"checkpoint {ckpt_dir} was trained with optim.embed_lr = {old.embed_lr:g}, head_lr = "
-            f"{old.head_lr:g} (lr {old.lr:g}), this run asks for {optim.embed_lr:g}, "
-            f"{optim.head_lr:g} (lr {optim.lr:g}): an lr of their own is a group of the optimizer's "
-            f"state, which a resume can retune but not add or drop; resume with --optim.embed_lr "
-            f"{old.embed_lr:g} --optim.head_lr {old.head_lr:g}, or start a new run directory")
+            f"checkpoint {ckpt_dir} is of format {meta.version}, written when optim.lr meant the "
+            "AdamW groups' lr under muon: its optimizer state has other groups than this lmforge "
+            "builds, so it cannot be resumed here; finish the run with the lmforge that started "
+            "it, or start a new run directory (eval, sample and export still read it)")
     return meta
 
 

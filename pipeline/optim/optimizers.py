@@ -14,24 +14,28 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from pipeline.config import OptimConfig, own_lr_groups, table_lrs, wsd_decay_steps
+from pipeline.config import OptimConfig, wsd_decay_steps
+from pipeline.optim.lrs import GROUPS, group_of, peak_lrs
 from pipeline.optim.muon import Muon
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
                     ns_dtype: torch.dtype = torch.float32):
-    """AdamW, or (optim.name = "muon") Muon + AdamW as one `Optimizers`. ns_dtype: Muon's
+    """AdamW, or (optim.name = "muon") Muon for the matrices + AdamW as one `Optimizers`; one
+    param group per lr group (pipeline/optim/lrs.py), tagged with its "kind". ns_dtype: Muon's
     Newton–Schulz precision (the trainer passes its compute dtype)."""
+    by_group = {g: [] for g in GROUPS}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            by_group[group_of(name, p.ndim)].append(p)
     if cfg.name == "adamw":
-        return _keeping_memory(_adamw(model.named_parameters(), cfg, device), model, device)
-    matrices = [p for name, p in model.named_parameters() if is_muon_matrix(name, p)]
-    chosen = {id(p) for p in matrices}
-    others = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen]
+        return _keeping_memory(_adamw(by_group, cfg, device), model, device)
     muon = Muon(
-        [{"params": matrices, "kind": "muon"}], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-        nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype,
+        [{"params": by_group.pop("matrix"), "kind": "matrix"}], lr=cfg.lr,
+        momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+        weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype,
     )
-    return _keeping_memory(Optimizers(_adamw(others, cfg, device), muon), model, device)
+    return _keeping_memory(Optimizers(_adamw(by_group, cfg, device), muon), model, device)
 
 
 def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
@@ -46,38 +50,16 @@ def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
 
 
 def is_muon_matrix(name: str, param: nn.Parameter) -> bool:
-    """Whether optim.name = "muon" gives `param` to Muon: the transformer blocks' 2-D matrices."""
-    return param.requires_grad and ".blocks." in f".{name}" and param.ndim == 2
+    """Whether optim.name = "muon" gives `param` to Muon: the weight matrices' group."""
+    return param.requires_grad and group_of(name, param.ndim) == "matrix"
 
 
-def role(name: str) -> str:
-    """The lr group of a parameter outside Muon: "embed" (the token and value embedding tables),
-    "head" (an untied LM head; a tied one is the token table) or "" (optim.lr)."""
-    parts = name.split(".")
-    return "embed" if "tok_emb" in parts or "value_embeds" in parts else "head" if "lm_head" in parts else ""
-
-
-def peak_lr(kind: str, cfg: OptimConfig) -> float:
-    """A group's peak lr: optim.muon_lr, optim.embed_lr / head_lr where set, else optim.lr."""
-    return {"muon": cfg.muon_lr, **table_lrs(cfg)}.get(kind) or cfg.lr
-
-
-def _adamw(named_params, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    # Decay only matrices (linear weights, embeddings); norms' gains are 1-D and decaying them
-    # towards zero only fights the normalisation. A table or head gets a group of its own only
-    # where its lr is set, so that runs without it keep their checkpoints' group layout.
-    own = own_lr_groups(cfg)
-    decay, no_decay, by_role = [], [], {kind: [] for kind in own}
-    for name, p in named_params:
-        if p.requires_grad:
-            kind = role(name)
-            (by_role[kind] if kind in own else decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-        *({"params": ps, "weight_decay": cfg.weight_decay, "kind": kind} for kind, ps in by_role.items()),
-    ]
-    groups = [g for g in groups if g["params"]]  # DCP refuses empty groups beside another optimizer
+def _adamw(by_group: dict[str, list], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    # Decay only matrices and tables; norms' gains are 1-D and decaying them towards zero only
+    # fights the normalisation. An empty group is left out: DCP refuses one beside another
+    # optimizer, and which groups have parameters follows from the model alone.
+    groups = [{"params": ps, "kind": kind, "weight_decay": 0.0 if kind == "scalar" else cfg.weight_decay}
+              for kind, ps in by_group.items() if ps]
     # The fused kernel updates each parameter in one pass; foreach makes ~8 passes over the
     # parameters and both moments, which is most of an optimizer step where matmuls are cheap
     # (bench/results/adamw_step_*.txt). torch has it for CUDA and CPU tensors, DTensor included.
@@ -131,7 +113,7 @@ def lr_multiplier(step: int, max_steps: int, cfg: OptimConfig) -> float:
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """AdamW's learning rate (optim.lr times the schedule) at `step`: the logged lr."""
+    """optim.lr times the schedule at `step` (the matrices' lr, the logged one, without the width rule)."""
     return cfg.lr * lr_multiplier(step, max_steps, cfg)
 
 
@@ -144,13 +126,15 @@ def muon_momentum_at(step: int, cfg: OptimConfig) -> float:
     return cfg.muon_momentum_start + frac * (cfg.muon_momentum - cfg.muon_momentum_start)
 
 
-def apply_schedule(optimizer, step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """Set every group's lr (its own peak, `peak_lr`, x the schedule) and Muon's momentum for
-    `step`; returns AdamW's lr. The peaks come from the config, never from a loaded optimizer
-    state, so a resumed run follows the config it was resumed with."""
+def apply_schedule(optimizer, step: int, max_steps: int, cfg: OptimConfig, d_model: int) -> float:
+    """Set every group's lr (its own peak, `peak_lrs` at the model's width, x the schedule) and
+    Muon's momentum for `step`; returns the matrices' lr (the logged one). The peaks come from
+    the config, never from a loaded optimizer state: a resumed run follows the config it was
+    resumed with."""
     multiplier = lr_multiplier(step, max_steps, cfg)
+    peaks = peak_lrs(cfg, d_model)
     for group in optimizer.param_groups:
-        group["lr"] = peak_lr(group.get("kind", ""), cfg) * multiplier
-        if group.get("kind") == "muon":
+        group["lr"] = peaks[group["kind"]] * multiplier
+        if "momentum" in group:  # Muon's (AdamW's momentum is its betas)
             group["momentum"] = muon_momentum_at(step, cfg)
-    return cfg.lr * multiplier
+    return peaks["matrix"] * multiplier

@@ -1,0 +1,296 @@
+"""Learning rates across widths: each lr group on a x2 log grid around a centre, at several
+d_model, to find each group's optimum and the width rule under which it moves least.
+
+    nice -n 19 python -m bench.lr_sweep                  # run what is missing, then report
+    python -m bench.lr_sweep --report-only               # the table and PNG from finished runs
+
+configs/tiny.toml's run (4 layers, head_dim 64, KV heads half the heads, seq 256, 8,192 tokens a
+step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 4,096-id BPE, at
+each --widths d_model. A coordinate sweep: the centre (CENTRE), then one coordinate (--coords: a
+group's lr, or groups joined by '+' moved together) at centre x 2^k for k in --span, the others at
+the centre; where a coordinate's best is at its grid's edge, the sweep walks on by one k at a time. Each run is `python -m launch.train` in a subprocess with one thread (bench.runs);
+its result is the final val loss in its metrics.jsonl, kept in --ledger (committed), and a run
+with one is not run again, so an interrupted sweep continues where it stopped, in any checkout. Seeds 2001.. by default: not the reported runs'.
+
+The rule: the same runs plotted against the lr at --ref-width, i.e. the lr divided by
+pipeline/optim/lrs.py's width_factor (optim.lr_ref_width's rule). Writes
+OUT/lr_sweep.png and OUT/lr_sweep.txt (bench/results/lr_sweep_zen4.* with --out bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT, header, machine
+from bench.recipe import finished
+from bench.runs import run, train_cmd
+from bench.speedrun import read_records
+
+KEYS = {"matrix": "optim.lr", "embed": "optim.embed_lr", "head": "optim.head_lr",
+        "scalar": "optim.scalar_lr"}
+CENTRE = {  # configs/tiny.toml's lrs (Muon) and a plain AdamW run's
+    "muon": {"matrix": 0.02, "embed": 0.03, "head": 0.03, "scalar": 0.03},
+    "adamw": {"matrix": 3e-3, "embed": 3e-3, "head": 3e-3, "scalar": 3e-3},
+}
+STEPS = 200
+MAX_K = 4
+EXPONENTS = (0, -0.5, -1)  # width rules to compare: none, nanochat's AdamW groups', muP's hidden AdamW
+
+
+def shape_flags(width: int) -> list[str]:
+    heads = width // 64
+    return ["--model.d_model", str(width), "--model.n_head", str(heads),
+            "--model.n_kv_head", str(max(1, heads // 2))]
+
+
+def lrs_of(optimizer: str, coord: str, k: int) -> dict[str, float]:
+    """Every swept group's lr in the run that moves `coord` by 2^k."""
+    lrs = dict(CENTRE[optimizer])
+    for group in coord.split("+"):
+        lrs[group] *= 2.0 ** k
+    return lrs
+
+
+def run_name(optimizer: str, width: int, seed: int, coord: str, k: int) -> str:
+    return f"{optimizer}_d{width}_s{seed}_" + ("centre" if k == 0 else f"{coord}{k:+d}")
+
+
+def plan(args) -> list[tuple[str, int, int, str, int]]:
+    """(optimizer, width, seed, coord, k) of every run of --span, the cheap and central ones
+    first, each run once (the centre is every coordinate's k = 0)."""
+    out, seen = [], set()
+    for seed in args.seeds:
+        for width in args.widths:
+            for k in sorted(args.span, key=lambda k: (abs(k), -k)):  # the higher lr first
+                for coord in args.coords:
+                    name = run_name(args.optimizer, width, seed, coord, k)
+                    if name not in seen:
+                        seen.add(name)
+                        out.append((args.optimizer, width, seed, coord, k))
+    return out
+
+
+def extension(args, width: int, seed: int, coord: str) -> int | None:
+    """The next k to run where a finished coordinate's best is at its grid's edge (up to
+    x2^+-MAX_K): the sweep walks on until its optimum has a worse neighbour on both sides."""
+    done = {k: v for k in range(-MAX_K, MAX_K + 1)
+            if (v := final_loss(args, args.optimizer, width, seed, coord, k)) is not None}
+    if not set(args.span) <= set(done):
+        return None
+    best = min(done, key=done.get)
+    if best == max(done) and best < MAX_K:
+        return best + 1
+    if best == min(done) and best > -MAX_K:
+        return best - 1
+    return None
+
+
+def next_run(args, tried: set) -> tuple[str, int, int, str, int] | None:
+    """The first run neither finished nor tried by this process: each seed and width's --span
+    runs, then their extensions, before the next width's."""
+    for (_, width, seed), keys in itertools.groupby(plan(args), key=lambda key: key[:3]):
+        for key in keys:
+            if key not in tried and final_loss(args, *key) is None:
+                return key
+        for coord in args.coords:
+            k = extension(args, width, seed, coord)
+            if k is not None and (ext := (args.optimizer, width, seed, coord, k)) not in tried:
+                return ext
+    return None
+
+
+def train(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> None:
+    out = args.out_runs / run_name(optimizer, width, seed, coord, k)
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts again
+    lr_flags = [f for g, lr in lrs_of(optimizer, coord, k).items()
+                if g != "head" or args.untied for f in (f"--{KEYS[g]}", repr(lr))]
+    cmd = train_cmd(["--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(args.data),
+                     "--log.out_dir", str(out), "--optim.name", optimizer, *shape_flags(width),
+                     "--model.tie_embeddings", "false" if args.untied else "true",
+                     "--train.seed", str(seed), "--train.max_steps", str(STEPS),
+                     "--sample.every", "0", "--eval.every", "0", "--checkpoint.every", "0",
+                     "--log.log_every", "50", *lr_flags])
+    t0 = time.time()
+    res = run(cmd, timeout=args.timeout, retries=0)
+    print(f"{out.name}: exit {res.returncode} in {time.time() - t0:.0f} s", flush=True)
+    if res.returncode:
+        print(res.stdout[-2000:], flush=True)
+
+
+def ledger(args) -> dict[str, dict]:
+    """The finished runs, by name: --ledger (committed, so that a sweep continues in another
+    checkout), one JSON line each, appended as each run ends."""
+    if not args.ledger.is_file():
+        return {}
+    return {(r := json.loads(ln))["run"]: r for ln in args.ledger.read_text().splitlines() if ln}
+
+
+def final_loss(args, *key) -> float | None:
+    name = run_name(*key)
+    optimizer, width, seed, coord, k = key
+    if (done := ledger(args).get(name)) is not None and done["lrs"] == lrs_of(optimizer, coord, k):
+        return done["val_loss"]  # (a run of another CENTRE is not this one)
+    out = args.out_runs / name
+    if not finished(out, STEPS):
+        return None
+    loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
+    record = {"run": name, "val_loss": loss, "optimizer": optimizer, "d_model": width, "seed": seed,
+              "coord": coord, "k": k, "lrs": lrs_of(optimizer, coord, k), "steps": STEPS,
+              "machine": machine(), "finished": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                              time.gmtime(out.stat().st_mtime))}
+    with args.ledger.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return loss
+
+
+def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float | None]]]]:
+    """(coord, width) -> [(lr of the coord's first group, mean final val loss, per seed)] over
+    the grid points that the seeds finished so far have in common (None: a seed not run yet)."""
+    result = {}
+    for coord in args.coords:
+        for width in args.widths:
+            grid = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
+                    for k in range(-MAX_K, MAX_K + 1)}
+            grid = {k: losses for k, losses in grid.items() if any(v is not None for v in losses)}
+            common = [i for i in range(len(args.seeds)) if all(v[i] is not None for v in grid.values())]
+            result[coord, width] = [
+                (lrs_of(args.optimizer, coord, k)[coord.split("+")[0]],
+                 statistics.mean(losses[i] for i in common), losses)
+                for k, losses in grid.items() if common]
+    return result
+
+
+def vertex(points: list[tuple[float, float, list]]) -> float:
+    """The lr at the minimum of the parabola in log2(lr) through the best grid point and its two
+    neighbours (the best point itself where it is at an edge or the parabola opens downwards)."""
+    i = min(range(len(points)), key=lambda j: points[j][1])
+    if i in (0, len(points) - 1):
+        return points[i][0]
+    (x0, y0), (x1, y1), (x2, y2) = ((math.log2(p[0]), p[1]) for p in points[i - 1:i + 2])
+    curvature = (y2 - 2 * y1 + y0) / ((x2 - x1) * (x1 - x0))  # an even grid: x2 - x1 = x1 - x0
+    if curvature <= 0:
+        return points[i][0]
+    return 2 ** (x1 - (y2 - y0) / (2 * (x2 - x1)) / curvature)
+
+
+def factor(args, coord: str, width: int) -> float:
+    from pipeline.config import OptimConfig
+    from pipeline.optim.lrs import width_factor
+
+    rule = OptimConfig(name=args.optimizer, lr_ref_width=args.ref_width)
+    return width_factor(rule, coord.split("+")[0], width)
+
+
+def report(args) -> list[str]:
+    found = curves(args)
+    lines = [header(), f"# {args.optimizer}, coordinates {', '.join(args.coords)} around "
+             f"{CENTRE[args.optimizer]}, grid x2^k for k in {sorted(args.span)}, seeds {args.seeds}, "
+             f"{STEPS} steps of 8,192 tokens; final val loss (16,384 val tokens); mean over the seeds that "
+             "finished every point of that curve (- = a seed's run not finished)",
+             "coord          width   lr        lr@ref    mean     per seed"]
+    best = {}
+    for (coord, width), points in found.items():
+        for lr, mean, losses in points:
+            seeds = " ".join("-" if v is None else f"{v:.4f}" for v in losses)
+            lines.append(f"{coord:<14} {width:>5}   {lr:<9.4g} {lr / factor(args, coord, width):<9.4g} "
+                         f"{mean:.4f}   {seeds}")
+        if points and min(points, key=lambda p: p[1]) in (points[0], points[-1]):
+            lines.append(f"# {coord} d{width}: the best is at the grid's edge, no optimum yet")
+        elif points:
+            best[coord, width] = vertex(points)
+    lines.append("# optimum per coordinate and width: the vertex of the parabola in log2(lr) through "
+                 "the best point and its neighbours; moved = log2 of its ratio to the narrowest width's "
+                 "bracketed one "
+                 "(grid steps of x2)")
+    for coord in args.coords:
+        widths = [w for w in args.widths if (coord, w) in best]
+        w0 = widths[0] if widths else 0
+        for w in widths:
+            raw = math.log2(best[coord, w] / best[coord, w0])
+            ruled = raw - math.log2(factor(args, coord, w) / factor(args, coord, w0))
+            candidates = " ".join(f"{e:g}: {raw - e * math.log2(w / w0):+.2f}" for e in EXPONENTS)
+            lines.append(f"{coord:<14} d{w}: best lr {best[coord, w]:.4g}, moved {raw:+.2f} steps "
+                         f"raw, {ruled:+.2f} under the rule; under exponent {candidates}")
+    return lines
+
+
+def plot(args, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = curves(args)
+    fig, axes = plt.subplots(2, len(args.coords), figsize=(5 * len(args.coords), 8), squeeze=False)
+    for j, coord in enumerate(args.coords):
+        for width in args.widths:
+            if points := found[coord, width]:
+                lrs, means = [p[0] for p in points], [p[1] for p in points]
+                axes[0, j].plot(lrs, means, "o-", label=f"d_model {width}")
+                axes[1, j].plot([lr / factor(args, coord, width) for lr in lrs], means, "o-",
+                                label=f"d_model {width}")
+        for i, what in enumerate(("lr", f"lr at reference width {args.ref_width} (the rule)")):
+            ax = axes[i, j]
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(f"{coord}: {what}")
+            ax.set_ylabel("final val loss (nats/token)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.suptitle(f"lr sweep, {args.optimizer}, 4 layers, {STEPS} steps x 8,192 tokens "
+                 f"(mean over those of seeds {args.seeds} that finished each curve)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=ROOT / "data" / "pystdlib",
+                   help="builtin:pystdlib prepared with --tokenizer bpe:4096 (lmforge prepare)")
+    p.add_argument("--runs", dest="out_runs", type=Path, default=ROOT / "runs" / "lr_sweep")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "lr_sweep", help="table and PNG")
+    p.add_argument("--name", default="lr_sweep", help="the table's and PNG's file name")
+    p.add_argument("--ledger", type=Path, default=ROOT / "bench" / "results" / "lr_sweep_zen4_runs.jsonl",
+                   help="the finished runs' final val losses (a run there is not run again)")
+    p.add_argument("--optimizer", default="muon", choices=sorted(CENTRE))
+    p.add_argument("--untied", action="store_true", help="an untied head (then 'head' is a group)")
+    p.add_argument("--coords", default="matrix,embed+scalar",
+                   help="comma-separated: a group of " + ", ".join(KEYS) + ", or groups joined by +")
+    p.add_argument("--widths", type=ints, default=[128, 256, 512])
+    p.add_argument("--seeds", type=ints, default=[2001, 2002])
+    p.add_argument("--span", type=ints, default=[-1, 0, 1], help="the k of the x2^k grid")
+    p.add_argument("--ref-width", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args()
+    args.coords = args.coords.split(",")
+    if not args.report_only:
+        if not (args.data / "manifest.json").is_file():
+            sys.exit(f"error: no prepared data at {args.data}; run lmforge prepare --source "
+                     f"builtin:pystdlib --tokenizer bpe:4096 --out {args.data}")
+        tried = set()
+        while (key := next_run(args, tried)) is not None:
+            tried.add(key)
+            train(args, *key)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = report(args)
+    (args.out / f"{args.name}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(args, args.out / f"{args.name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

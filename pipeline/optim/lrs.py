@@ -1,0 +1,77 @@
+"""Which peak lr each parameter takes: one key per group, the same meaning under both optimizers,
+and the width rule that carries lrs given at a reference width to the model's.
+
+    matrix  the 2-D weight matrices (attention, MLP): optim.lr (Muon's under muon, else AdamW's)
+    embed   the token table (tied: also the head) and the value-embedding tables: optim.embed_lr
+    head    an untied LM head: optim.head_lr
+    scalar  the 1-D gains (RMSNorm weights): optim.scalar_lr
+The last three are AdamW's under both optimizers; 0 means optim.lr. Every group that has
+parameters is a group of the optimizer's state, whatever the lrs, so a resume retunes any lr.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class LrKeys(Protocol):
+    """What these rules read of pipeline.config.OptimConfig (which imports this module)."""
+
+    name: str
+    lr: float
+    embed_lr: float
+    head_lr: float
+    scalar_lr: float
+    lr_ref_width: int
+
+GROUPS = ("matrix", "embed", "head", "scalar")
+
+# optim.lr_ref_width's rule: a group's lr at d_model = its lr at the reference width times
+# (d_model / lr_ref_width) ** exponent. Priors, not yet measured here (bench/lr_sweep.py has not
+# bracketed an optimum at two widths): Muon's orthogonalised update has a fixed spectral norm
+# whatever the width, so its lr carries as is; AdamW's hidden matrices and head take muP's 1/width
+# (Tensor Programs V, Table 3), its tables and gains none.
+WIDTH_EXPONENTS = {
+    "muon": {"matrix": 0.0, "embed": 0.0, "head": -1.0, "scalar": 0.0},
+    "adamw": {"matrix": -1.0, "embed": 0.0, "head": -1.0, "scalar": 0.0},
+}
+
+
+def group_of(name: str, ndim: int) -> str:
+    """The lr group of the parameter named `name` with `ndim` dimensions."""
+    parts = name.split(".")
+    if "tok_emb" in parts or "value_embeds" in parts:
+        return "embed"
+    return "head" if "lm_head" in parts else "matrix" if ndim >= 2 else "scalar"
+
+
+def given_lrs(o: LrKeys) -> dict[str, float]:
+    """Each group's peak lr as the config gives it (at lr_ref_width when that is set)."""
+    return {"matrix": o.lr, "embed": o.embed_lr or o.lr, "head": o.head_lr or o.lr,
+            "scalar": o.scalar_lr or o.lr}
+
+
+def width_factor(o: LrKeys, group: str, d_model: int) -> float:
+    """What optim.lr_ref_width's rule multiplies `group`'s given lr by at `d_model` (1 when off)."""
+    if not o.lr_ref_width:
+        return 1.0
+    return (d_model / o.lr_ref_width) ** WIDTH_EXPONENTS[o.name][group]
+
+
+def peak_lrs(o: LrKeys, d_model: int) -> dict[str, float]:
+    """Each group's peak lr for a model of width `d_model`: the given lr, width rule applied."""
+    return {g: lr * width_factor(o, g, d_model) for g, lr in given_lrs(o).items()}
+
+
+def legacy_optim(d: dict, tied: bool) -> dict:
+    """An optim section written before every key had one meaning (checkpoint format 2, which has
+    optim.muon_lr) in today's keys, same lrs: under muon, optim.lr was the AdamW groups' lr and
+    muon_lr the matrices'; under adamw, optim.lr was already every group's but its own."""
+    d = dict(d)
+    muon_lr = d.pop("muon_lr", 0.02)
+    if d.get("name") == "muon":
+        adamw_lr = d.get("lr", 3e-3)
+        d["lr"], d["scalar_lr"] = muon_lr, adamw_lr
+        d["embed_lr"] = d.get("embed_lr") or adamw_lr
+        d["head_lr"] = 0.0 if tied else d.get("head_lr") or adamw_lr
+    return d
