@@ -18,13 +18,14 @@ from tests.test_prepare_bad_input import docs_dir, prepare
 
 
 @contextlib.contextmanager
-def tmpfs(mnt: Path, size_bytes: int):
-    """A tmpfs of `size_bytes` at `mnt`, unmounted after (the test skips where it cannot mount)."""
+def tmpfs(mnt: Path, size_bytes: int, options: str = ""):
+    """A tmpfs of `size_bytes` at `mnt` (`options`, e.g. "ro", added to the mount's), unmounted
+    after (the test skips where it cannot mount)."""
     mnt.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
-                              str(mnt)], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(filter(None, [
+        f"size={size_bytes}", options])), "tmpfs", str(mnt)], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
     try:

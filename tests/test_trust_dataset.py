@@ -22,6 +22,7 @@ import pytest
 from bench.runs import ROOT, TINY_ARGS, env
 from data_prep import shards as S
 from tests.errors import last_error, one_error_line, proc_error
+from tests.test_disk_full import tmpfs
 from tests.test_eval_sample_export import make_checkpoint
 from tests.test_prepare_bad_input import byte_vocab
 
@@ -309,31 +310,15 @@ def test_prepare_out_inside_source_never_reads_its_own_files(tmp_path, source):
 # unwritable and full output paths (#17): prepare, export, eval --json
 
 
-@contextlib.contextmanager
-def mounted(path: Path, options: str):
-    """A tmpfs at `path` (root only; the test skips elsewhere)."""
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
 @pytest.fixture
 def read_only(tmp_path):
-    with mounted(tmp_path / "ro", "ro,size=1m") as path:
+    with tmpfs(tmp_path / "ro", 1 << 20, "ro") as path:
         yield path
 
 
 @pytest.fixture
 def full(tmp_path):
-    with mounted(tmp_path / "full", "size=256k") as path:
+    with tmpfs(tmp_path / "full", 256 << 10) as path:
         fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
         with contextlib.suppress(OSError):
             while os.write(fd, b"\0" * 4096):
