@@ -201,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--json {args.json} is a directory; give a file path")
         check_writable(args.json.parent, what="--json")
     if args.nproc > 1:
-        from launch.train import _without_nproc, torchrun
+        from launch.train import torchrun, without_nproc
 
         return torchrun(["--standalone", f"--nproc_per_node={args.nproc}", "-m",
-                         "launch.evaluate", *_without_nproc(argv)])
+                         "launch.evaluate", *without_nproc(argv)])
     record: dict = {}
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)

@@ -141,7 +141,7 @@ def cli_main(argv: list[str]) -> int:
     open_sources(cfg.data)
     check_unlocked(Path(cfg.log.out_dir))
     return torchrun(["--standalone", f"--nproc_per_node={parsed.nproc}", "-m", "launch.train",
-                     *_without_nproc(argv)])
+                     *without_nproc(argv)])
 
 
 def torchrun(args: list[str]) -> int:
@@ -169,7 +169,7 @@ def torchrun(args: list[str]) -> int:
     return 0
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
+def without_nproc(argv: list[str]) -> list[str]:
     """argv less `--nproc N` / `--nproc=N`: torchrun's workers are each one of the N."""
     out, skip = [], False
     for arg in argv:
