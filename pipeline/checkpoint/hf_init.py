@@ -13,7 +13,6 @@ shards (as pipeline/parallel/materialize.py initialises).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data_prep.safe_files import check_dir, open_fd, open_file, read_text
+from data_prep.safe_files import check_dir, file_sha256, open_fd, read_text
 from data_prep.tokenizer import HF_PREFIX
 from model import GPT, ModelConfig
 from model.hf import CONFIG_FILE, WEIGHTS_FILE, config_from_hf, hf_shapes, weight_table
@@ -106,14 +105,7 @@ class HFWeights:
 
     def sha256(self) -> dict[str, str]:
         """Each weights file's sha256 (what a run's meta.json records of its source)."""
-        out = {}
-        for path in self.files:
-            h = hashlib.sha256()
-            with open_file(path, "rb", what="safetensors file") as f:
-                while chunk := f.read(1 << 24):
-                    h.update(chunk)
-            out[path.name] = h.hexdigest()
-        return out
+        return {path.name: file_sha256(path, what="safetensors file") for path in self.files}
 
 
 def weight_files(directory: Path) -> list[Path]:
