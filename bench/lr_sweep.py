@@ -6,11 +6,14 @@ d_model, to find each group's optimum and the width rule under which it moves le
 
 configs/tiny.toml's run (4 layers, head_dim 64, KV heads half the heads, seq 256, 8,192 tokens a
 step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 4,096-id BPE, at
-each --widths d_model. A coordinate sweep: the centre (CENTRE), then one coordinate (--coords: a
-group's lr, or groups joined by '+' moved together) at centre x 2^k for k in --span, the others at
-the centre; where a coordinate's best is at its grid's edge, the sweep walks on by one k at a time. Each run is `python -m launch.train` in a subprocess with one thread (bench.runs);
-its result is the final val loss in its metrics.jsonl, kept in --ledger (committed), and a run
-with one is not run again, so an interrupted sweep continues where it stopped, in any checkout. Seeds 2001.. by default: not the reported runs'.
+each --widths d_model. A coordinate sweep: one coordinate (--coords: a group's lr, or groups
+joined by '+' moved together) at CENTRE x 2^k, the others at CENTRE. At the narrowest width k runs
+over --span; at each wider one over --span moved to the grid point nearest the next narrower
+width's optimum (no rule assumed), so the dearer widths run the points around their optimum; where
+a coordinate's best is at its grid's edge the sweep walks on, one k at a time. --jobs runs at a
+time, each `python -m launch.train` with one thread; a run's result is its final val loss, kept in
+--ledger (committed): a run there is not run again, so an interrupted sweep continues where it
+stopped, in any checkout. Seeds 2001.. by default: not the reported runs'.
 
 The rule: the same runs plotted against the lr at --ref-width, i.e. the lr divided by
 pipeline/optim/lrs.py's width_factor (optim.lr_ref_width's rule). Writes
@@ -20,18 +23,18 @@ OUT/lr_sweep.png and OUT/lr_sweep.txt (bench/results/lr_sweep_zen4.* with --out 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench.common import ROOT, header, machine
 from bench.recipe import finished
-from bench.runs import run, train_cmd
+from bench.runs import env, kill_group, train_cmd
 from bench.speedrun import read_records
 
 KEYS = {"matrix": "optim.lr", "embed": "optim.embed_lr", "head": "optim.head_lr",
@@ -63,27 +66,40 @@ def run_name(optimizer: str, width: int, seed: int, coord: str, k: int) -> str:
     return f"{optimizer}_d{width}_s{seed}_" + ("centre" if k == 0 else f"{coord}{k:+d}")
 
 
-def plan(args) -> list[tuple[str, int, int, str, int]]:
-    """(optimizer, width, seed, coord, k) of every run of --span, the cheap and central ones
-    first, each run once (the centre is every coordinate's k = 0)."""
-    out, seen = [], set()
-    for seed in args.seeds:
-        for width in args.widths:
-            for k in sorted(args.span, key=lambda k: (abs(k), -k)):  # the higher lr first
-                for coord in args.coords:
-                    name = run_name(args.optimizer, width, seed, coord, k)
-                    if name not in seen:
-                        seen.add(name)
-                        out.append((args.optimizer, width, seed, coord, k))
-    return out
+def grid(args, width: int, coord: str) -> dict[int, float]:
+    """k -> mean final val loss over the k that every one of --seeds finished."""
+    found = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
+             for k in range(-MAX_K, MAX_K + 1)}
+    return {k: statistics.mean(v) for k, v in found.items() if all(x is not None for x in v)}
 
 
-def extension(args, width: int, seed: int, coord: str) -> int | None:
+def start(args, width: int, coord: str) -> int | None:
+    """The k that `coord`'s --span is centred on at `width`: 0 at the narrowest width; at a wider
+    one the grid point nearest the next narrower width's optimum (where no rule would put it), so
+    that the dearer widths run the points around it, not the centre's. None: not bracketed yet."""
+    i = args.widths.index(width)
+    if i == 0:
+        return 0
+    narrower = grid(args, args.widths[i - 1], coord)
+    if not settled(args, args.widths[i - 1], coord):
+        return None
+    points = [(2.0 ** k, loss, []) for k, loss in sorted(narrower.items())]
+    return round(math.log2(vertex(points)))
+
+
+def span(args, width: int, coord: str) -> list[int] | None:
+    """The k to run first for `coord` at `width`, the central ones and the higher lr first."""
+    if (k0 := start(args, width, coord)) is None:
+        return None
+    return [k0 + k for k in sorted(args.span, key=lambda k: (abs(k), -k))]
+
+
+def extension(args, width: int, coord: str) -> int | None:
     """The next k to run where a finished coordinate's best is at its grid's edge (up to
     x2^+-MAX_K): the sweep walks on until its optimum has a worse neighbour on both sides."""
-    done = {k: v for k in range(-MAX_K, MAX_K + 1)
-            if (v := final_loss(args, args.optimizer, width, seed, coord, k)) is not None}
-    if not set(args.span) <= set(done):
+    ks = span(args, width, coord)
+    done = grid(args, width, coord)
+    if ks is None or not set(ks) <= set(done):
         return None
     best = min(done, key=done.get)
     if best == max(done) and best < MAX_K:
@@ -93,22 +109,48 @@ def extension(args, width: int, seed: int, coord: str) -> int | None:
     return None
 
 
+def settled(args, width: int, coord: str) -> bool:
+    """Whether `coord`'s runs at `width` are all finished and its best point has a worse
+    neighbour on both sides (or is at x2^+-MAX_K)."""
+    ks = span(args, width, coord)
+    return ks is not None and set(ks) <= set(grid(args, width, coord)) and extension(args, width, coord) is None
+
+
 def next_run(args, tried: set) -> tuple[str, int, int, str, int] | None:
-    """The first run neither finished nor tried by this process: each seed and width's --span
-    runs, then their extensions, before the next width's."""
-    for (_, width, seed), keys in itertools.groupby(plan(args), key=lambda key: key[:3]):
-        for key in keys:
-            if key not in tried and final_loss(args, *key) is None:
-                return key
-        for coord in args.coords:
-            k = extension(args, width, seed, coord)
-            if k is not None and (ext := (args.optimizer, width, seed, coord, k)) not in tried:
-                return ext
+    """The first run neither finished nor tried by this process: at each width, seed by seed,
+    every coordinate's span (a seed's whole bracket before the next seed's), then the walks."""
+    for width in args.widths:
+        spans = {coord: span(args, width, coord) or [] for coord in args.coords}
+        walks = {coord: [k] if (k := extension(args, width, coord)) is not None else []
+                 for coord in args.coords}
+        for ks in (spans, walks):
+            for seed in args.seeds:
+                for coord in args.coords:
+                    for k in ks[coord]:
+                        key = (args.optimizer, width, seed, coord, k)
+                        if key not in tried and final_loss(args, *key) is None:
+                            return key
     return None
 
 
-def train(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> None:
+def held(run_dir: Path) -> bool:
+    """Whether a run (this sweep's or another's) holds run_dir's lock."""
+    from pipeline.checkpoint.lock import check_unlocked
+    from pipeline.typed_config import ConfigError
+
+    try:
+        check_unlocked(run_dir)
+    except ConfigError:
+        return True
+    return False
+
+
+def launch(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> subprocess.Popen | None:
+    """Start one run in the background, one thread, its output in --runs/NAME.log; None where
+    another sweep's run holds its run directory."""
     out = args.out_runs / run_name(optimizer, width, seed, coord, k)
+    if held(out):
+        return None
     shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts again
     lr_flags = [f for g, lr in lrs_of(optimizer, coord, k).items()
                 if g != "head" or args.untied for f in (f"--{KEYS[g]}", repr(lr))]
@@ -116,13 +158,36 @@ def train(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> No
                      "--log.out_dir", str(out), "--optim.name", optimizer, *shape_flags(width),
                      "--model.tie_embeddings", "false" if args.untied else "true",
                      "--train.seed", str(seed), "--train.max_steps", str(STEPS),
-                     "--sample.every", "0", "--eval.every", "0", "--checkpoint.every", "0",
-                     "--log.log_every", "50", *lr_flags])
-    t0 = time.time()
-    res = run(cmd, timeout=args.timeout, retries=0)
-    print(f"{out.name}: exit {res.returncode} in {time.time() - t0:.0f} s", flush=True)
-    if res.returncode:
-        print(res.stdout[-2000:], flush=True)
+                     "--sample.every", "0", "--eval.every", "0", "--eval.tasks_every", "0",
+                     "--checkpoint.every", "0", "--log.log_every", "50", *lr_flags])
+    with (args.out_runs / f"{out.name}.log").open("w") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def sweep(args) -> None:
+    """Keep --jobs runs going, counting other sweeps' runs in --runs, until next_run has none
+    left; a run past --timeout is killed."""
+    tried, running = set(), {}
+    while True:
+        mine = {run_name(*key) for key in running}
+        others = sum(1 for d in args.out_runs.iterdir() if d.is_dir() and d.name not in mine and held(d))
+        while len(running) + others < args.jobs and (key := next_run(args, tried)) is not None:
+            tried.add(key)
+            if proc := launch(args, *key):
+                running[key] = proc, time.time()
+        if not running and not others:
+            return
+        time.sleep(5)
+        for key, (proc, t0) in list(running.items()):
+            if proc.poll() is None and time.time() - t0 < args.timeout:
+                continue
+            if proc.returncode is None:
+                kill_group(proc)
+                proc.wait()
+            print(f"{run_name(*key)}: exit {proc.returncode} in {time.time() - t0:.0f} s", flush=True)
+            del running[key]
+            final_loss(args, *key)  # into the ledger
 
 
 def ledger(args) -> dict[str, dict]:
@@ -151,34 +216,39 @@ def final_loss(args, *key) -> float | None:
     return loss
 
 
-def curves(args) -> dict[tuple[str, int], list[tuple[float, float, list[float | None]]]]:
-    """(coord, width) -> [(lr of the coord's first group, mean final val loss, per seed)] over
-    the grid points that the seeds finished so far have in common (None: a seed not run yet)."""
+def curves(args) -> dict[tuple[str, int], list[tuple[float, float | None, list[float | None]]]]:
+    """(coord, width) -> [(lr of the coord's first group, mean final val loss over --seeds or
+    None where a seed has not run it, per seed)] over the grid points any seed finished."""
     result = {}
     for coord in args.coords:
         for width in args.widths:
-            grid = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
-                    for k in range(-MAX_K, MAX_K + 1)}
-            grid = {k: losses for k, losses in grid.items() if any(v is not None for v in losses)}
-            common = [i for i in range(len(args.seeds)) if all(v[i] is not None for v in grid.values())]
+            found = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
+                     for k in range(-MAX_K, MAX_K + 1)}
             result[coord, width] = [
                 (lrs_of(args.optimizer, coord, k)[coord.split("+")[0]],
-                 statistics.mean(losses[i] for i in common), losses)
-                for k, losses in grid.items() if common]
+                 None if None in losses else statistics.mean(losses), losses)
+                for k, losses in found.items() if any(v is not None for v in losses)]
     return result
+
+
+def means(points: list[tuple[float, float | None, list]]) -> list[tuple[float, float, list]]:
+    """The points every seed finished."""
+    return [p for p in points if p[1] is not None]
 
 
 def vertex(points: list[tuple[float, float, list]]) -> float:
     """The lr at the minimum of the parabola in log2(lr) through the best grid point and its two
-    neighbours (the best point itself where it is at an edge or the parabola opens downwards)."""
+    neighbours among `points` (the best point itself where it is at an edge or the parabola opens
+    downwards). The neighbours may be more than one grid step away: a seed's span may skip a k."""
     i = min(range(len(points)), key=lambda j: points[j][1])
     if i in (0, len(points) - 1):
         return points[i][0]
     (x0, y0), (x1, y1), (x2, y2) = ((math.log2(p[0]), p[1]) for p in points[i - 1:i + 2])
-    curvature = (y2 - 2 * y1 + y0) / ((x2 - x1) * (x1 - x0))  # an even grid: x2 - x1 = x1 - x0
+    slope_left, slope_right = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    curvature = (slope_right - slope_left) / (x2 - x0)  # the parabola's x^2 coefficient
     if curvature <= 0:
         return points[i][0]
-    return 2 ** (x1 - (y2 - y0) / (2 * (x2 - x1)) / curvature)
+    return 2 ** ((x0 + x1) / 2 - slope_left / (2 * curvature))
 
 
 def factor(args, coord: str, width: int) -> float:
@@ -192,17 +262,17 @@ def factor(args, coord: str, width: int) -> float:
 def report(args) -> list[str]:
     found = curves(args)
     lines = [header(), f"# {args.optimizer}, coordinates {', '.join(args.coords)} around "
-             f"{CENTRE[args.optimizer]}, grid x2^k for k in {sorted(args.span)}, seeds {args.seeds}, "
-             f"{STEPS} steps of 8,192 tokens; final val loss (16,384 val tokens); mean over the seeds that "
-             "finished every point of that curve (- = a seed's run not finished)",
+             f"{CENTRE[args.optimizer]}, grid x2^k, --span {sorted(args.span)} around each "
+             f"width's start, seeds {args.seeds}, {STEPS} steps of 8,192 tokens; final val loss (16,384 val "
+             "tokens); mean over the seeds (- = a seed's run not finished: not in the mean)",
              "coord          width   lr        lr@ref    mean     per seed"]
     best = {}
     for (coord, width), points in found.items():
         for lr, mean, losses in points:
             seeds = " ".join("-" if v is None else f"{v:.4f}" for v in losses)
             lines.append(f"{coord:<14} {width:>5}   {lr:<9.4g} {lr / factor(args, coord, width):<9.4g} "
-                         f"{mean:.4f}   {seeds}")
-        if points and min(points, key=lambda p: p[1]) in (points[0], points[-1]):
+                         f"{'-' if mean is None else f'{mean:.4f}':<6}   {seeds}")
+        if (points := means(points)) and min(points, key=lambda p: p[1]) in (points[0], points[-1]):
             lines.append(f"# {coord} d{width}: the best is at the grid's edge, no optimum yet")
         elif points:
             best[coord, width] = vertex(points)
@@ -232,10 +302,10 @@ def plot(args, png: Path) -> None:
     fig, axes = plt.subplots(2, len(args.coords), figsize=(5 * len(args.coords), 8), squeeze=False)
     for j, coord in enumerate(args.coords):
         for width in args.widths:
-            if points := found[coord, width]:
-                lrs, means = [p[0] for p in points], [p[1] for p in points]
-                axes[0, j].plot(lrs, means, "o-", label=f"d_model {width}")
-                axes[1, j].plot([lr / factor(args, coord, width) for lr in lrs], means, "o-",
+            if points := means(found[coord, width]):
+                lrs, losses = [p[0] for p in points], [p[1] for p in points]
+                axes[0, j].plot(lrs, losses, "o-", label=f"d_model {width}")
+                axes[1, j].plot([lr / factor(args, coord, width) for lr in lrs], losses, "o-",
                                 label=f"d_model {width}")
         for i, what in enumerate(("lr", f"lr at reference width {args.ref_width} (the rule)")):
             ax = axes[i, j]
@@ -273,6 +343,7 @@ def main() -> int:
     p.add_argument("--span", type=ints, default=[-1, 0, 1], help="the k of the x2^k grid")
     p.add_argument("--ref-width", type=int, default=256)
     p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     args.coords = args.coords.split(",")
@@ -280,10 +351,7 @@ def main() -> int:
         if not (args.data / "manifest.json").is_file():
             sys.exit(f"error: no prepared data at {args.data}; run lmforge prepare --source "
                      f"builtin:pystdlib --tokenizer bpe:4096 --out {args.data}")
-        tried = set()
-        while (key := next_run(args, tried)) is not None:
-            tried.add(key)
-            train(args, *key)
+        sweep(args)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = report(args)
     (args.out / f"{args.name}.txt").write_text("\n".join(lines) + "\n")
