@@ -81,7 +81,8 @@ class OptimConfig:
     under both: lr (matrices), embed_lr, head_lr, scalar_lr (README "Learning rates")."""
     lr: float = 3e-3
     """Peak lr of the weight matrices (Muon's under muon, AdamW's under adamw), reached at the end
-    of the warmup; Muon's usual is 0.02 (configs/tiny.toml), AdamW's 3e-3 (the default)."""
+    of the warmup; Muon's optimum is ~0.03 at d_model 128-512 (configs/tiny.toml), AdamW's 3e-3
+    the default (not swept)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     warmup_steps: int = 20
@@ -102,7 +103,8 @@ class OptimConfig:
     lr_ref_width: int = 0
     """0 = every lr as given. Else the lrs are given at d_model = lr_ref_width and each group's is
     scaled to the model's width by (d_model / lr_ref_width) ** its exponent (pipeline/optim/lrs.py:
-    muon matrices 0; AdamW matrices and head -1; tables and gains 0: priors, not yet measured)."""
+    under Muon, measured: matrices 0, tables and gains -0.5; priors (muP), not yet measured: an
+    untied head under Muon and AdamW's matrices and head -1, AdamW's tables and gains 0)."""
     beta1: float = 0.9
     """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95
