@@ -18,12 +18,12 @@ from pipeline.optim.optimizers import (
     Optimizers,
     apply_schedule,
     build_optimizer,
-    lr_at,
     lr_multiplier,
     muon_momentum_at,
 )
 from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
+from tests.schedule import lr_at
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

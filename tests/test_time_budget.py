@@ -11,9 +11,9 @@ import torch
 from bench.runs import TINY_ARGS, losses, metrics, train
 from pipeline import budget
 from pipeline.config import ConfigError, load_config
-from pipeline.optim.optimizers import lr_at
 from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer
+from tests.schedule import lr_at
 from tests.test_mixture import small_source
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -13,9 +13,9 @@ from bench.runs import TINY_ARGS, losses, metrics, run
 from pipeline.checkpoint import format as ckpt
 from pipeline.config import OptimConfig, load_config
 from pipeline.inference import load_for_inference
-from pipeline.optim.optimizers import lr_at
 from pipeline.parallel.distributed import DistInfo
 from pipeline.train import Trainer, TrainingStopped
+from tests.schedule import lr_at
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

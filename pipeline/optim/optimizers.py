@@ -112,11 +112,6 @@ def lr_multiplier(step: int, max_steps: int, cfg: OptimConfig) -> float:
     return floor + 0.5 * (1.0 + math.cos(math.pi * frac)) * (1.0 - floor)
 
 
-def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """optim.lr times the schedule at `step` (the matrices' lr, the logged one, without the width rule)."""
-    return cfg.lr * lr_multiplier(step, max_steps, cfg)
-
-
 def muon_momentum_at(step: int, cfg: OptimConfig) -> float:
     """Muon's momentum, linear from muon_momentum_start over the warmup: 0.95 from the start
     averages the large, fast-changing first gradients too long (modded-nanogpt, nanochat)."""

@@ -1,0 +1,11 @@
+"""What the tests expect the logged lr to be at a step: optim.lr (the matrices' peak, no width
+rule set) times the schedule's multiplier."""
+
+from __future__ import annotations
+
+from pipeline.config import OptimConfig
+from pipeline.optim.optimizers import lr_multiplier
+
+
+def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
+    return cfg.lr * lr_multiplier(step, max_steps, cfg)
