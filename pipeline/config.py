@@ -238,8 +238,10 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
         except (OSError, UnicodeDecodeError) as e:  # a directory, a permission, binary bytes
             raise ConfigError(f"cannot read config file '{path}' ({e}); give a TOML file") from None
-    if "muon_lr" in (optim := d.get("optim", {})):  # written for the old lr keys: same lrs in today's
-        d["optim"] = legacy_optim(optim, d.get("model", {}).get("tie_embeddings", True))
+    optim, model = d.get("optim"), d.get("model")
+    if isinstance(optim, dict) and "muon_lr" in optim:  # written for the old lr keys: same lrs now
+        tied = model.get("tie_embeddings", True) if isinstance(model, dict) else True
+        d["optim"] = legacy_optim(optim, tied)
     # The data named on the command line replaces the file's, whichever way each names it.
     if named := {k for k, _ in parse_overrides(list(overrides))} & {f"data.{k}" for k in DATA_KEYS}:
         for key in DATA_KEYS:

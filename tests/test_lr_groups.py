@@ -16,7 +16,7 @@ from bench.runs import env, losses, run_args, train, train_cmd
 from model import GPT, ModelConfig
 from pipeline.config import OptimConfig, load_config
 from pipeline.optim.optimizers import apply_schedule, build_optimizer, lr_multiplier
-from tests.errors import last_error
+from tests.errors import cli_error, last_error
 
 # The width rule as README "Learning rates" and OptimConfig.lr_ref_width document it: a group's lr
 # is multiplied by (d_model / lr_ref_width) ** exponent.
@@ -139,3 +139,13 @@ def test_an_old_config_file_keeps_its_lrs(tmp_path, tied):
     old.write_text("[optim]\nname = \"adamw\"\nlr = 0.001\nmuon_lr = 0.05\n")
     o = load_config(old).optim
     assert (o.lr, o.embed_lr, o.head_lr, o.scalar_lr) == (0.001, 0.0, 0.0, 0.0)  # 0 = lr, as before
+
+
+@pytest.mark.parametrize("text, section", [("optim = 3\n", "optim"),
+                                           ("model = 3\n[optim]\nname = \"muon\"\nmuon_lr = 0.02\n", "model")])
+def test_an_old_config_file_with_a_section_that_is_not_one_is_one_line(tmp_path, capsys, text, section):
+    """The old keys' reading looks into [optim] and [model] before their types are checked: a file
+    where either is a value is still one error line naming the section, exit 2."""
+    bad = tmp_path / "config.toml"
+    bad.write_text(text)
+    cli_error(capsys, ["train", "--config", str(bad)], f"'{section}' must be a section")
