@@ -3,6 +3,8 @@ d_model, to find each group's optimum and the width rule under which it moves le
 
     nice -n 19 python -m bench.lr_sweep                  # run what is missing, then report
     python -m bench.lr_sweep --report-only               # the table and PNG from finished runs
+    nice -n 19 python -m bench.lr_sweep --untied --coords head --centre head=0.005,embed=0.2
+                                                         # an LM head of its own, around its lr
 
 configs/tiny.toml's run (4 layers, head_dim 64, KV heads half the heads, seq 256, 8,192 tokens a
 step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 4,096-id BPE, at
@@ -54,21 +56,28 @@ def shape_flags(width: int) -> list[str]:
             "--model.n_kv_head", str(max(1, heads // 2))]
 
 
-def lrs_of(optimizer: str, coord: str, k: int) -> dict[str, float]:
+def lrs_of(centre: dict[str, float], coord: str, k: int) -> dict[str, float]:
     """Every swept group's lr in the run that moves `coord` by 2^k."""
-    lrs = dict(CENTRE[optimizer])
+    lrs = dict(centre)
     for group in coord.split("+"):
         lrs[group] *= 2.0 ** k
     return lrs
 
 
-def run_name(optimizer: str, width: int, seed: int, coord: str, k: int) -> str:
-    return f"{optimizer}_d{width}_s{seed}_" + ("centre" if k == 0 else f"{coord}{k:+d}")
+def family(optimizer: str, untied: bool, centre: dict[str, float]) -> str:
+    """The runs' name prefix: the optimizer, then what differs from its tied runs around CENTRE,
+    so that another sweep's runs never share a name (a run directory, a ledger line)."""
+    moved = "".join(f"-{g}{lr:g}" for g, lr in centre.items() if lr != CENTRE[optimizer][g])
+    return optimizer + ("-untied" if untied else "") + moved
+
+
+def run_name(family: str, width: int, seed: int, coord: str, k: int) -> str:
+    return f"{family}_d{width}_s{seed}_" + ("centre" if k == 0 else f"{coord}{k:+d}")
 
 
 def grid(args, width: int, coord: str) -> dict[int, float]:
     """k -> mean final val loss over the k that every one of --seeds finished."""
-    found = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
+    found = {k: [final_loss(args, args.family, width, s, coord, k) for s in args.seeds]
              for k in range(-MAX_K, MAX_K + 1)}
     return {k: statistics.mean(v) for k, v in found.items() if all(x is not None for x in v)}
 
@@ -127,7 +136,7 @@ def next_run(args, tried: set) -> tuple[str, int, int, str, int] | None:
             for seed in args.seeds:
                 for coord in args.coords:
                     for k in ks[coord]:
-                        key = (args.optimizer, width, seed, coord, k)
+                        key = (args.family, width, seed, coord, k)
                         if key not in tried and final_loss(args, *key) is None:
                             return key
     return None
@@ -145,17 +154,17 @@ def held(run_dir: Path) -> bool:
     return False
 
 
-def launch(args, optimizer: str, width: int, seed: int, coord: str, k: int) -> subprocess.Popen | None:
+def launch(args, family: str, width: int, seed: int, coord: str, k: int) -> subprocess.Popen | None:
     """Start one run in the background, one thread, its output in --runs/NAME.log; None where
     another sweep's run holds its run directory."""
-    out = args.out_runs / run_name(optimizer, width, seed, coord, k)
+    out = args.out_runs / run_name(family, width, seed, coord, k)
     if held(out):
         return None
     shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts again
-    lr_flags = [f for g, lr in lrs_of(optimizer, coord, k).items()
+    lr_flags = [f for g, lr in lrs_of(args.centre, coord, k).items()
                 if g != "head" or args.untied for f in (f"--{KEYS[g]}", repr(lr))]
     cmd = train_cmd(["--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(args.data),
-                     "--log.out_dir", str(out), "--optim.name", optimizer, *shape_flags(width),
+                     "--log.out_dir", str(out), "--optim.name", args.optimizer, *shape_flags(width),
                      "--model.tie_embeddings", "false" if args.untied else "true",
                      "--train.seed", str(seed), "--train.max_steps", str(STEPS),
                      "--sample.every", "0", "--eval.every", "0", "--eval.tasks_every", "0",
@@ -200,15 +209,16 @@ def ledger(args) -> dict[str, dict]:
 
 def final_loss(args, *key) -> float | None:
     name = run_name(*key)
-    optimizer, width, seed, coord, k = key
-    if (done := ledger(args).get(name)) is not None and done["lrs"] == lrs_of(optimizer, coord, k):
+    _, width, seed, coord, k = key
+    lrs = lrs_of(args.centre, coord, k)
+    if (done := ledger(args).get(name)) is not None and done["lrs"] == lrs:
         return done["val_loss"]  # (a run of another CENTRE is not this one)
     out = args.out_runs / name
     if not finished(out, STEPS):
         return None
     loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
-    record = {"run": name, "val_loss": loss, "optimizer": optimizer, "d_model": width, "seed": seed,
-              "coord": coord, "k": k, "lrs": lrs_of(optimizer, coord, k), "steps": STEPS,
+    record = {"run": name, "val_loss": loss, "optimizer": args.optimizer, "untied": args.untied,
+              "d_model": width, "seed": seed, "coord": coord, "k": k, "lrs": lrs, "steps": STEPS,
               "machine": machine(), "finished": time.strftime("%Y-%m-%d %H:%M UTC",
                                                               time.gmtime(out.stat().st_mtime))}
     with args.ledger.open("a") as f:
@@ -222,10 +232,10 @@ def curves(args) -> dict[tuple[str, int], list[tuple[float, float | None, list[f
     result = {}
     for coord in args.coords:
         for width in args.widths:
-            found = {k: [final_loss(args, args.optimizer, width, s, coord, k) for s in args.seeds]
+            found = {k: [final_loss(args, args.family, width, s, coord, k) for s in args.seeds]
                      for k in range(-MAX_K, MAX_K + 1)}
             result[coord, width] = [
-                (lrs_of(args.optimizer, coord, k)[coord.split("+")[0]],
+                (lrs_of(args.centre, coord, k)[coord.split("+")[0]],
                  None if None in losses else statistics.mean(losses), losses)
                 for k, losses in found.items() if any(v is not None for v in losses)]
     return result
@@ -261,8 +271,8 @@ def factor(args, coord: str, width: int) -> float:
 
 def report(args) -> list[str]:
     found = curves(args)
-    lines = [header(), f"# {args.optimizer}, coordinates {', '.join(args.coords)} around "
-             f"{CENTRE[args.optimizer]}, grid x2^k, --span {sorted(args.span)} around each "
+    lines = [header(), f"# {args.optimizer}, {'untied' if args.untied else 'tied'}, coordinates "
+             f"{', '.join(args.coords)} around {args.centre}, grid x2^k, --span {sorted(args.span)} around each "
              f"width's start, seeds {args.seeds}, {STEPS} steps of 8,192 tokens; final val loss (16,384 val "
              "tokens); mean over the seeds (- = a seed's run not finished: not in the mean)",
              "coord          width   lr        lr@ref    mean     per seed"]
@@ -314,7 +324,7 @@ def plot(args, png: Path) -> None:
             ax.set_ylabel("final val loss (nats/token)")
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.suptitle(f"lr sweep, {args.optimizer}, 4 layers, {STEPS} steps x 8,192 tokens "
+    fig.suptitle(f"lr sweep, {args.family}, 4 layers, {STEPS} steps x 8,192 tokens "
                  f"(mean over those of seeds {args.seeds} that finished each curve)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -323,6 +333,14 @@ def plot(args, png: Path) -> None:
 
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
+
+
+def lrs_arg(text: str) -> dict[str, float]:
+    """'head=0.005,embed=0.2' -> {'head': 0.005, 'embed': 0.2}."""
+    try:
+        return {g.strip(): float(v) for g, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give group=lr pairs, e.g. head=0.005,embed=0.2") from None
 
 
 def main() -> int:
@@ -336,6 +354,8 @@ def main() -> int:
                    help="the finished runs' final val losses (a run there is not run again)")
     p.add_argument("--optimizer", default="muon", choices=sorted(CENTRE))
     p.add_argument("--untied", action="store_true", help="an untied head (then 'head' is a group)")
+    p.add_argument("--centre", type=lrs_arg, default={},
+                   help="the grid's centre where not CENTRE's, e.g. head=0.005,embed=0.2")
     p.add_argument("--coords", default="matrix,embed+scalar",
                    help="comma-separated: a group of " + ", ".join(KEYS) + ", or groups joined by +")
     p.add_argument("--widths", type=ints, default=[128, 256, 512])
@@ -347,6 +367,12 @@ def main() -> int:
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     args.coords = args.coords.split(",")
+    if any("head" in c.split("+") for c in args.coords) and not args.untied:
+        p.error("a tied head is the table: sweep 'head' with --untied, or 'embed'")
+    if unknown := set(args.centre) - set(KEYS):
+        p.error(f"--centre: no group {', '.join(sorted(unknown))}; the groups are {', '.join(KEYS)}")
+    args.centre = CENTRE[args.optimizer] | args.centre
+    args.family = family(args.optimizer, args.untied, args.centre)
     if not args.report_only:
         if not (args.data / "manifest.json").is_file():
             sys.exit(f"error: no prepared data at {args.data}; run lmforge prepare --source "

@@ -92,7 +92,8 @@ class OptimConfig:
     decay_fraction: float = 0.2
     """wsd only: the final fraction of the steps that decays linearly to the floor."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
+    """AdamW's decoupled weight decay: of the tables and the head, and under adamw also of the
+    matrices (never of the norms' gains; Muon's matrices have muon_weight_decay)."""
     embed_lr: float = 0.0
     """Peak lr of the token (tied: also the head's) and value embedding tables, AdamW; 0 = lr. A
     lookup table takes a far larger lr than an untied head (nanochat, modded-nanogpt)."""

@@ -18,6 +18,7 @@ SEEDS = [2001, 2002]
 
 def sweep_args(tmp_path) -> argparse.Namespace:
     return argparse.Namespace(widths=[128, 256, 512], seeds=SEEDS, span=[-1, 0, 1], optimizer="muon",
+                              untied=False, centre=lr_sweep.CENTRE["muon"], family="muon",
                               coords=["matrix", "embed+scalar"], ledger=tmp_path / "runs.jsonl",
                               out_runs=tmp_path / "runs")
 
@@ -26,8 +27,8 @@ def record(args, width: int, coord: str, k: int, loss: float, seeds=SEEDS) -> No
     """A finished run in the ledger, as final_loss writes one."""
     with args.ledger.open("a") as f:
         for seed in seeds:
-            f.write(json.dumps({"run": lr_sweep.run_name("muon", width, seed, coord, k), "val_loss": loss,
-                                "lrs": lr_sweep.lrs_of("muon", coord, k)}) + "\n")
+            f.write(json.dumps({"run": lr_sweep.run_name(args.family, width, seed, coord, k),
+                                "val_loss": loss, "lrs": lr_sweep.lrs_of(args.centre, coord, k)}) + "\n")
 
 
 def bowl(best_k: float):
@@ -83,3 +84,19 @@ def test_an_optimum_at_the_grids_edge_walks_on_until_bracketed(tmp_path):
     record(args, 128, "matrix", 3, loss(3))
     assert lr_sweep.extension(args, 128, "matrix") is None
     assert lr_sweep.span(args, 256, "matrix") == [2, 3, 1]
+
+
+def test_an_untied_or_recentred_sweep_never_reads_the_tied_sweeps_runs(tmp_path):
+    """Its runs differ (an LM head of its own, another centre) though their lrs may not: they
+    get names, so run directories and ledger lines, of their own."""
+    tied = sweep_args(tmp_path)
+    record(tied, 128, "matrix", 0, 4.2)
+    assert lr_sweep.final_loss(tied, "muon", 128, 2001, "matrix", 0) == 4.2
+    recentred = lr_sweep.CENTRE["muon"] | {"head": 0.005, "embed": 0.2}
+    for untied, centre, family in ((True, lr_sweep.CENTRE["muon"], "muon-untied"),
+                                   (True, recentred, "muon-untied-embed0.2-head0.005")):
+        assert lr_sweep.family("muon", untied, centre) == family
+        other = sweep_args(tmp_path)
+        other.untied, other.centre, other.family = untied, centre, family
+        assert lr_sweep.final_loss(other, family, 128, 2001, "matrix", 0) is None
+        assert lr_sweep.run_name(family, 128, 2001, "head", -1) == f"{family}_d128_s2001_head-1"
