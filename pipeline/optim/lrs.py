@@ -32,7 +32,9 @@ GROUPS = ("matrix", "embed", "head", "scalar")
 # Muon's orthogonalised update, of fixed spectral norm whatever the width, predicts; the tied
 # table with the gains -0.5, nanochat's rule (the gains alone are flat across 0.03-0.17). Priors,
 # not yet measured here: an untied head under Muon and every AdamW group take muP's exponents
-# (Tensor Programs V, Table 3: hidden matrices and head 1/width, tables and gains none).
+# (Tensor Programs V, Table 3: hidden matrices and head 1/width, tables and gains none). The
+# untied head's is in doubt: from d_model 128 to 256 its flat optimum rose 1.4 x2-steps
+# (bench/results/lr_sweep_head_zen4.txt); d_model 512 is to decide.
 WIDTH_EXPONENTS = {
     "muon": {"matrix": 0.0, "embed": -0.5, "head": -1.0, "scalar": -0.5},
     "adamw": {"matrix": -1.0, "embed": 0.0, "head": -1.0, "scalar": 0.0},
