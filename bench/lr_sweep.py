@@ -3,22 +3,22 @@ d_model, to find each group's optimum and the width rule under which it moves le
 
     nice -n 19 python -m bench.lr_sweep                  # run what is missing, then report
     python -m bench.lr_sweep --report-only               # the table and PNG from finished runs
-    nice -n 19 python -m bench.lr_sweep --untied --coords head --centre head=0.005,embed=0.2
-                                                         # an LM head of its own, around its lr
+    nice -n 19 python -m bench.lr_sweep --untied --coords head --rule   # an LM head's lr
 
 configs/tiny.toml's run (4 layers, head_dim 64, KV heads half the heads, seq 256, 8,192 tokens a
 step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 4,096-id BPE, at
 each --widths d_model. A coordinate sweep: one coordinate (--coords: a group's lr, or groups
 joined by '+' moved together) at CENTRE x 2^k, the others at CENTRE. At the narrowest width k runs
 over --span; at each wider one over --span moved to the grid point nearest the next narrower
-width's optimum (no rule assumed), so the dearer widths run the points around their optimum; where
+width's optimum (as given), so the dearer widths run the points around their optimum; where
 a coordinate's best is at its grid's edge the sweep walks on, one k at a time. --jobs runs at a
 time, each `python -m launch.train` with one thread; a run's result is its final val loss, kept in
 --ledger (committed): a run there is not run again, so an interrupted sweep continues where it
 stopped, in any checkout. Seeds 2001.. by default: not the reported runs'.
 
-The rule: the same runs plotted against the lr at --ref-width, i.e. the lr divided by
-pipeline/optim/lrs.py's width_factor (optim.lr_ref_width's rule). Writes
+A run sets optim.lr_ref_width itself (0; --ref-width under --rule), never tiny.toml's: the lr
+column is the model's lr either way. The rule: the same runs plotted against the lr at
+--ref-width, i.e. the lr divided by pipeline/optim/lrs.py's width_factor. Writes
 OUT/lr_sweep.png and OUT/lr_sweep.txt (bench/results/lr_sweep_zen4.* with --out bench/results).
 """
 
@@ -41,10 +41,13 @@ from bench.speedrun import read_records
 
 KEYS = {"matrix": "optim.lr", "embed": "optim.embed_lr", "head": "optim.head_lr",
         "scalar": "optim.scalar_lr"}
-CENTRE = {  # configs/tiny.toml's lrs (Muon) and a plain AdamW run's
+CENTRE = {  # configs/tiny.toml's lrs (Muon) when the sweep began; AdamW's a guess (with matrices
+    # at 0.02 and the table at 0.1 a d_model 128 run ends at 5.75 nats, Muon's near 4.3)
     "muon": {"matrix": 0.02, "embed": 0.03, "head": 0.03, "scalar": 0.03},
-    "adamw": {"matrix": 3e-3, "embed": 3e-3, "head": 3e-3, "scalar": 3e-3},
+    "adamw": {"matrix": 0.003, "embed": 0.05, "head": 0.003, "scalar": 0.05},
 }
+# AdamW's runs decay the matrices too: the AdamW presets' 0.1 (tiny.toml's 0 is Muon's table's)
+FIXED = {"muon": [], "adamw": ["--optim.weight_decay", "0.1"]}
 STEPS = 200
 MAX_K = 4
 EXPONENTS = (0, -0.5, -1)  # width rules to compare: none, nanochat's AdamW groups', muP's hidden AdamW
@@ -64,11 +67,11 @@ def lrs_of(centre: dict[str, float], coord: str, k: int) -> dict[str, float]:
     return lrs
 
 
-def family(optimizer: str, untied: bool, centre: dict[str, float]) -> str:
-    """The runs' name prefix: the optimizer, then what differs from its tied runs around CENTRE,
-    so that another sweep's runs never share a name (a run directory, a ledger line)."""
+def family(optimizer: str, untied: bool, centre: dict[str, float], rule: int = 0) -> str:
+    """The runs' name prefix: the optimizer, then what differs from its tied runs around CENTRE
+    without the rule, so that no two sweeps' runs share a name (a run directory, a ledger line)."""
     moved = "".join(f"-{g}{lr:g}" for g, lr in centre.items() if lr != CENTRE[optimizer][g])
-    return optimizer + ("-untied" if untied else "") + moved
+    return optimizer + ("-untied" if untied else "") + moved + (f"-rule{rule}" if rule else "")
 
 
 def run_name(family: str, width: int, seed: int, coord: str, k: int) -> str:
@@ -84,8 +87,9 @@ def grid(args, width: int, coord: str) -> dict[int, float]:
 
 def start(args, width: int, coord: str) -> int | None:
     """The k that `coord`'s --span is centred on at `width`: 0 at the narrowest width; at a wider
-    one the grid point nearest the next narrower width's optimum (where no rule would put it), so
-    that the dearer widths run the points around it, not the centre's. None: not bracketed yet."""
+    one the grid point nearest the next narrower width's optimum (as given: where the rule puts it
+    under --rule, else unscaled), so that the dearer widths run the points around it, not the
+    centre's. None: not bracketed yet."""
     i = args.widths.index(width)
     if i == 0:
         return 0
@@ -161,17 +165,21 @@ def launch(args, family: str, width: int, seed: int, coord: str, k: int) -> subp
     if held(out):
         return None
     shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts again
+    with (args.out_runs / f"{out.name}.log").open("w") as log:
+        return subprocess.Popen(run_cmd(args, out, width, seed, coord, k), cwd=ROOT, env=env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_cmd(args, out: Path, width: int, seed: int, coord: str, k: int) -> list[str]:
     lr_flags = [f for g, lr in lrs_of(args.centre, coord, k).items()
                 if g != "head" or args.untied for f in (f"--{KEYS[g]}", repr(lr))]
-    cmd = train_cmd(["--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(args.data),
-                     "--log.out_dir", str(out), "--optim.name", args.optimizer, *shape_flags(width),
-                     "--model.tie_embeddings", "false" if args.untied else "true",
-                     "--train.seed", str(seed), "--train.max_steps", str(STEPS),
-                     "--sample.every", "0", "--eval.every", "0", "--eval.tasks_every", "0",
-                     "--checkpoint.every", "0", "--log.log_every", "50", *lr_flags])
-    with (args.out_runs / f"{out.name}.log").open("w") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    return train_cmd(["--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(args.data),
+                      "--log.out_dir", str(out), "--optim.name", args.optimizer, *shape_flags(width),
+                      "--model.tie_embeddings", "false" if args.untied else "true",
+                      "--train.seed", str(seed), "--train.max_steps", str(STEPS),
+                      "--sample.every", "0", "--eval.every", "0", "--eval.tasks_every", "0",
+                      "--checkpoint.every", "0", "--log.log_every", "50", *FIXED[args.optimizer],
+                      *lr_flags, "--optim.lr_ref_width", str(args.rule)])
 
 
 def sweep(args) -> None:
@@ -180,12 +188,14 @@ def sweep(args) -> None:
     tried, running = set(), {}
     while True:
         mine = {run_name(*key) for key in running}
-        others = sum(1 for d in args.out_runs.iterdir() if d.is_dir() and d.name not in mine and held(d))
-        while len(running) + others < args.jobs and (key := next_run(args, tried)) is not None:
+        others = [d.name for d in args.out_runs.iterdir() if d.is_dir() and d.name not in mine and held(d)]
+        while len(running) + len(others) < args.jobs and (key := next_run(args, tried)) is not None:
             tried.add(key)
             if proc := launch(args, *key):
                 running[key] = proc, time.time()
-        if not running and not others:
+        # (another sweep's runs of this family may yet move an optimum: wait for those alone)
+        if not running and next_run(args, tried) is None and not any(
+                n.startswith(f"{args.family}_d") for n in others):
             return
         time.sleep(5)
         for key, (proc, t0) in list(running.items()):
@@ -218,7 +228,8 @@ def final_loss(args, *key) -> float | None:
         return None
     loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
     record = {"run": name, "val_loss": loss, "optimizer": args.optimizer, "untied": args.untied,
-              "d_model": width, "seed": seed, "coord": coord, "k": k, "lrs": lrs, "steps": STEPS,
+              "d_model": width, "seed": seed, "coord": coord, "k": k, "lrs": lrs,
+              "lr_ref_width": args.rule, "model_lrs": model_lrs(args, width, lrs), "steps": STEPS,
               "machine": machine(), "finished": time.strftime("%Y-%m-%d %H:%M UTC",
                                                               time.gmtime(out.stat().st_mtime))}
     with args.ledger.open("a") as f:
@@ -226,16 +237,24 @@ def final_loss(args, *key) -> float | None:
     return loss
 
 
+def model_lrs(args, width: int, lrs: dict[str, float]) -> dict[str, float]:
+    """The lrs a run at `width` trains with, given `lrs`: scaled by the rule under --rule."""
+    return {g: lr * (factor(args, g, width) if args.rule else 1.0) for g, lr in lrs.items()}
+
+
 def curves(args) -> dict[tuple[str, int], list[tuple[float, float | None, list[float | None]]]]:
-    """(coord, width) -> [(lr of the coord's first group, mean final val loss over --seeds or
-    None where a seed has not run it, per seed)] over the grid points any seed finished."""
+    """(coord, width) -> [(the model's lr of the coord's first group, as the ledger has it: the
+    rule as it stood when the run ended; mean final val loss over --seeds or None where a seed has
+    not run it, per seed)] over the grid points any seed finished."""
     result = {}
     for coord in args.coords:
         for width in args.widths:
             found = {k: [final_loss(args, args.family, width, s, coord, k) for s in args.seeds]
                      for k in range(-MAX_K, MAX_K + 1)}
+            done = ledger(args)  # (final_loss has recorded every finished run)
             result[coord, width] = [
-                (lrs_of(args.centre, coord, k)[coord.split("+")[0]],
+                (next(done[n]["model_lrs"][coord.split("+")[0]] for s in args.seeds
+                      if (n := run_name(args.family, width, s, coord, k)) in done),
                  None if None in losses else statistics.mean(losses), losses)
                 for k, losses in found.items() if any(v is not None for v in losses)]
     return result
@@ -273,8 +292,10 @@ def report(args) -> list[str]:
     found = curves(args)
     lines = [header(), f"# {args.optimizer}, {'untied' if args.untied else 'tied'}, coordinates "
              f"{', '.join(args.coords)} around {args.centre}, grid x2^k, --span {sorted(args.span)} around each "
-             f"width's start, seeds {args.seeds}, {STEPS} steps of 8,192 tokens; final val loss (16,384 val "
-             "tokens); mean over the seeds (- = a seed's run not finished: not in the mean)",
+             f"width's start, seeds {args.seeds}, {STEPS} steps of "
+             f"{' '.join(['8,192 tokens', *FIXED[args.optimizer]])}; final val loss (16,384 val tokens); mean over the seeds "
+             "(- = a seed's run not finished: not in the mean)",
+             "# lr: the model's (the rule applied where a run took it)",
              "coord          width   lr        lr@ref    mean     per seed"]
     best = {}
     for (coord, width), points in found.items():
@@ -288,8 +309,7 @@ def report(args) -> list[str]:
             best[coord, width] = vertex(points)
     lines.append("# optimum per coordinate and width: the vertex of the parabola in log2(lr) through "
                  "the best point and its neighbours; moved = log2 of its ratio to the narrowest width's "
-                 "bracketed one "
-                 "(grid steps of x2)")
+                 "bracketed one (grid steps of x2)")
     for coord in args.coords:
         widths = [w for w in args.widths if (coord, w) in best]
         w0 = widths[0] if widths else 0
@@ -299,7 +319,44 @@ def report(args) -> list[str]:
             candidates = " ".join(f"{e:g}: {raw - e * math.log2(w / w0):+.2f}" for e in EXPONENTS)
             lines.append(f"{coord:<14} d{w}: best lr {best[coord, w]:.4g}, moved {raw:+.2f} steps "
                          f"raw, {ruled:+.2f} under the rule; under exponent {candidates}")
+        if (coord, args.ref_width) in best:
+            lines.append(f"{coord:<14} cost of each exponent: " + rule_costs(args, found, best, coord))
     return lines
+
+
+def rule_costs(args, found, best: dict, coord: str) -> str:
+    """Where the optimum is flat 'moved' overstates a rule's harm: what the rule's lr loses, the
+    loss at --ref-width's optimum carried to each width by (w/ref)^e less that at the width's own,
+    both off the parabola the optimum is the vertex of (beyond its three points at most the worse
+    grid point around it, '<=', the curve being convex); the worst width's, 'off' past the grid."""
+    out = []
+    for e in EXPONENTS:
+        worst, bound = 0.0, False
+        for w in (w for w in args.widths if (coord, w) in best):
+            points = [(math.log2(p[0]), p[1]) for p in means(found[coord, w])]
+            i = min(range(len(points)), key=lambda j: points[j][1])
+            fit = points[i - 1:i + 2]
+            x, low = math.log2(best[coord, args.ref_width] * (w / args.ref_width) ** e), \
+                parabola(fit, math.log2(best[coord, w]))
+            around = [(a, b) for a, b in zip(points, points[1:]) if a[0] <= x <= b[0]]
+            if not around:
+                worst = math.inf
+                break
+            if fit[0][0] <= x <= fit[-1][0]:
+                worst = max(worst, parabola(fit, x) - low)
+            else:
+                worst, bound = max(worst, max(around[0][0][1], around[0][1][1]) - low), True
+        out.append(f"{e:g}: " + ("off the grid" if worst == math.inf
+                                 else f"{'<=' if bound else ''}+{worst:.3f} nats"))
+    return ", ".join(out) + f" (the worst width's, from d{args.ref_width}'s optimum)"
+
+
+def parabola(points: list[tuple[float, float]], x: float) -> float:
+    """The value at x of the parabola through three (x, y) points (Lagrange's form)."""
+    (x0, y0), (x1, y1), (x2, y2) = points
+    return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2))
+            + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+            + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
 
 
 def plot(args, png: Path) -> None:
@@ -324,8 +381,8 @@ def plot(args, png: Path) -> None:
             ax.set_ylabel("final val loss (nats/token)")
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.suptitle(f"lr sweep, {args.family}, 4 layers, {STEPS} steps x 8,192 tokens "
-                 f"(mean over those of seeds {args.seeds} that finished each curve)")
+    fig.suptitle(f"lr sweep, {args.family},\n4 layers, {STEPS} steps x 8,192 tokens "
+                 f"(mean over seeds {args.seeds})", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -364,6 +421,8 @@ def main() -> int:
     p.add_argument("--ref-width", type=int, default=256)
     p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    p.add_argument("--rule", action="store_true", help="runs take the lrs as given at --ref-width: "
+                   "a wider width's grid starts where the rule puts the narrower one's optimum")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     args.coords = args.coords.split(",")
@@ -372,7 +431,8 @@ def main() -> int:
     if unknown := set(args.centre) - set(KEYS):
         p.error(f"--centre: no group {', '.join(sorted(unknown))}; the groups are {', '.join(KEYS)}")
     args.centre = CENTRE[args.optimizer] | args.centre
-    args.family = family(args.optimizer, args.untied, args.centre)
+    args.rule = args.ref_width if args.rule else 0
+    args.family = family(args.optimizer, args.untied, args.centre, args.rule)
     if not args.report_only:
         if not (args.data / "manifest.json").is_file():
             sys.exit(f"error: no prepared data at {args.data}; run lmforge prepare --source "

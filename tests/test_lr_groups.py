@@ -21,7 +21,7 @@ from tests.errors import cli_error, last_error
 # The width rule as README "Learning rates" and OptimConfig.lr_ref_width document it: a group's lr
 # is multiplied by (d_model / lr_ref_width) ** exponent.
 DOCUMENTED_EXPONENTS = {
-    "muon": {"matrix": 0, "embed": -0.5, "head": -1, "scalar": -0.5},
+    "muon": {"matrix": 0, "embed": -0.5, "head": -0.5, "scalar": -0.5},
     "adamw": {"matrix": -1, "embed": 0, "head": -1, "scalar": 0},
 }
 GIVEN = {"matrix": 0.02, "embed": 0.1, "head": 0.004, "scalar": 0.05}

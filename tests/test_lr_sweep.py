@@ -20,7 +20,7 @@ def sweep_args(tmp_path) -> argparse.Namespace:
     return argparse.Namespace(widths=[128, 256, 512], seeds=SEEDS, span=[-1, 0, 1], optimizer="muon",
                               untied=False, centre=lr_sweep.CENTRE["muon"], family="muon",
                               coords=["matrix", "embed+scalar"], ledger=tmp_path / "runs.jsonl",
-                              out_runs=tmp_path / "runs")
+                              out_runs=tmp_path / "runs", rule=0, ref_width=256, data=tmp_path)
 
 
 def record(args, width: int, coord: str, k: int, loss: float, seeds=SEEDS) -> None:
@@ -28,7 +28,8 @@ def record(args, width: int, coord: str, k: int, loss: float, seeds=SEEDS) -> No
     with args.ledger.open("a") as f:
         for seed in seeds:
             f.write(json.dumps({"run": lr_sweep.run_name(args.family, width, seed, coord, k),
-                                "val_loss": loss, "lrs": lr_sweep.lrs_of(args.centre, coord, k)}) + "\n")
+                                "val_loss": loss, "lrs": (lrs := lr_sweep.lrs_of(args.centre, coord, k)),
+                                "model_lrs": lr_sweep.model_lrs(args, width, lrs)}) + "\n")
 
 
 def bowl(best_k: float):
@@ -100,3 +101,44 @@ def test_an_untied_or_recentred_sweep_never_reads_the_tied_sweeps_runs(tmp_path)
         other.untied, other.centre, other.family = untied, centre, family
         assert lr_sweep.final_loss(other, family, 128, 2001, "matrix", 0) is None
         assert lr_sweep.run_name(family, 128, 2001, "head", -1) == f"{family}_d128_s2001_head-1"
+
+
+def test_a_rule_costs_nothing_where_it_carries_the_optimum_and_its_miss_where_it_does_not(tmp_path):
+    """Optima that halve per doubling of width (exponent -1): muP's rule costs ~0; the others' cost
+    is read off each width's parabola, the worst width's reported."""
+    args = sweep_args(tmp_path)
+    args.coords, args.ref_width = ["matrix"], 256
+    best = {128: 1.3, 256: 0.3, 512: -0.7}  # the optimum's k at each width
+    for width, k0 in best.items():
+        for k in range(-2, 3):
+            record(args, width, "matrix", k, bowl(k0)(k))
+    found = lr_sweep.curves(args)
+    optima = {("matrix", w): lr_sweep.vertex(lr_sweep.means(found["matrix", w])) for w in best}
+    costs = dict(part.split(": ") for part in lr_sweep.rule_costs(args, found, optima, "matrix")
+                 .split(" (")[0].split(", "))
+    assert costs["-1"] == "+0.000 nats"
+    assert costs["-0.5"] == f"+{0.05 * 0.5 ** 2:.3f} nats"  # one width misses by half a step
+    # d512's rule lr (k 0.3) is past its parabola's points (k -2..0): at most the worse grid point
+    # around it (k 1, 1.7 steps from the optimum)
+    assert costs["0"] == f"<=+{0.05 * 1.7 ** 2:.3f} nats"
+
+
+@pytest.mark.parametrize("rule", [0, 256])
+def test_the_reported_lr_is_the_one_the_run_trains_with_whatever_tiny_toml_says(tmp_path, rule):
+    """A run's lr_ref_width is the sweep's (tiny.toml's once scaled runs labelled unscaled): the
+    lr a run's command gives the trainer, resolved as the trainer resolves it, is the lr curves()
+    reports for it."""
+    from pipeline.config import load_config
+    from pipeline.optim.lrs import peak_lrs
+
+    args = sweep_args(tmp_path)
+    args.untied, args.coords, args.rule = True, ["head"], rule
+    for width in (128, 512):
+        record(args, width, "head", 1, 4.0)
+        cmd = lr_sweep.run_cmd(args, tmp_path / "run", width, 2001, "head", 1)
+        flags = cmd[cmd.index("--config") + 2:]
+        cfg = load_config(lr_sweep.ROOT / "configs" / "tiny.toml", flags)
+        (reported, _, _), = lr_sweep.curves(args)["head", width]
+        assert peak_lrs(cfg.optim, width)["head"] == pytest.approx(reported)
+        given = lr_sweep.lrs_of(args.centre, "head", 1)["head"]
+        assert reported == pytest.approx(given * ((width / 256) ** -0.5 if rule else 1))

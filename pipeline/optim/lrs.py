@@ -27,16 +27,15 @@ class LrKeys(Protocol):
 GROUPS = ("matrix", "embed", "head", "scalar")
 
 # optim.lr_ref_width's rule: a group's lr at d_model = its lr at the reference width times
-# (d_model / lr_ref_width) ** exponent. Measured under Muon (bench/results/lr_sweep_zen4.txt,
-# d_model 128 to 512, the exponent under which each optimum moves least): the matrices 0, as
-# Muon's orthogonalised update, of fixed spectral norm whatever the width, predicts; the tied
-# table with the gains -0.5, nanochat's rule (the gains alone are flat across 0.03-0.17). Priors,
-# not yet measured here: an untied head under Muon and every AdamW group take muP's exponents
-# (Tensor Programs V, Table 3: hidden matrices and head 1/width, tables and gains none). The
-# untied head's is in doubt: from d_model 128 to 256 its flat optimum rose 1.4 x2-steps
-# (bench/results/lr_sweep_head_zen4.txt); d_model 512 is to decide.
+# (d_model / lr_ref_width) ** exponent. Measured under Muon (bench/results/lr_sweep_zen4.txt and
+# lr_sweep_head_zen4.txt, d_model 128 to 512, the exponent under which each optimum moves least):
+# the matrices 0, as Muon's orthogonalised update, of fixed spectral norm whatever the width,
+# predicts; every AdamW group -0.5, nanochat's rule: the tied table with the gains (the gains
+# alone are flat across 0.03-0.17), and an untied head (flat: muP's -1 moved it 1.3 steps).
+# Priors, not yet measured here: AdamW's groups take muP's exponents (Tensor Programs V, Table 3:
+# hidden matrices and head 1/width, tables and gains none).
 WIDTH_EXPONENTS = {
-    "muon": {"matrix": 0.0, "embed": -0.5, "head": -1.0, "scalar": -0.5},
+    "muon": {"matrix": 0.0, "embed": -0.5, "head": -0.5, "scalar": -0.5},
     "adamw": {"matrix": -1.0, "embed": 0.0, "head": -1.0, "scalar": 0.0},
 }
 
