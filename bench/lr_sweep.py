@@ -238,8 +238,8 @@ def final_loss(args, *key) -> float | None:
 
 
 def model_lrs(args, width: int, lrs: dict[str, float]) -> dict[str, float]:
-    """The lrs a run at `width` trains with, given `lrs`: scaled by the rule under --rule."""
-    return {g: lr * (factor(args, g, width) if args.rule else 1.0) for g, lr in lrs.items()}
+    """The lrs a run at `width` trains with, given `lrs`: lrs.py's rule (off where args.rule is 0)."""
+    return {g: lr * factor(args, g, width, ref=args.rule) for g, lr in lrs.items()}
 
 
 def curves(args) -> dict[tuple[str, int], list[tuple[float, float | None, list[float | None]]]]:
@@ -280,11 +280,11 @@ def vertex(points: list[tuple[float, float, list]]) -> float:
     return 2 ** ((x0 + x1) / 2 - slope_left / (2 * curvature))
 
 
-def factor(args, coord: str, width: int) -> float:
+def factor(args, coord: str, width: int, ref: int | None = None) -> float:
     from pipeline.config import OptimConfig
     from pipeline.optim.lrs import width_factor
 
-    rule = OptimConfig(name=args.optimizer, lr_ref_width=args.ref_width)
+    rule = OptimConfig(name=args.optimizer, lr_ref_width=args.ref_width if ref is None else ref)
     return width_factor(rule, coord.split("+")[0], width)
 
 
