@@ -104,8 +104,8 @@ class OptimConfig:
     lr_ref_width: int = 0
     """0 = every lr as given. Else the lrs are given at d_model = lr_ref_width and each group's is
     scaled to the model's width by (d_model / lr_ref_width) ** its exponent (pipeline/optim/lrs.py:
-    under Muon, measured: matrices 0, tables, an untied head and gains -0.5; under AdamW muP's
-    priors, not yet measured: matrices and head -1, tables and gains 0)."""
+    measured: under Muon matrices 0, tables, an untied head and gains -0.5; under AdamW muP's
+    matrices -1, tables and gains 0, an untied head -1 (muP's, not measured))."""
     beta1: float = 0.9
     """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95

@@ -27,13 +27,12 @@ class LrKeys(Protocol):
 GROUPS = ("matrix", "embed", "head", "scalar")
 
 # optim.lr_ref_width's rule: a group's lr at d_model = its lr at the reference width times
-# (d_model / lr_ref_width) ** exponent. Measured under Muon (bench/results/lr_sweep_zen4.txt and
-# lr_sweep_head_zen4.txt, d_model 128 to 512, the exponent under which each optimum moves least):
-# the matrices 0, as Muon's orthogonalised update, of fixed spectral norm whatever the width,
-# predicts; every AdamW group -0.5, nanochat's rule: the tied table with the gains (the gains
-# alone are flat across 0.03-0.17), and an untied head (flat: muP's -1 moved it 1.3 steps).
-# Priors, not yet measured here: AdamW's groups take muP's exponents (Tensor Programs V, Table 3:
-# hidden matrices and head 1/width, tables and gains none).
+# (d_model / lr_ref_width) ** exponent, the exponent under which each optimum moved least from
+# d_model 128 to 512 (bench/results/lr_sweep_*zen4.txt). Muon: the matrices 0, as Muon's
+# orthogonalised update, of fixed spectral norm whatever the width, predicts; every AdamW group
+# -0.5, nanochat's rule: the tied table with the gains, and an untied head (flat; muP's -1 moved
+# it 1.3 steps). AdamW: muP's (Tensor Programs V, Table 3), measured for the matrices (-1) and
+# the tied table with the gains (0); an untied head's -1 is muP's, not measured under AdamW.
 WIDTH_EXPONENTS = {
     "muon": {"matrix": 0.0, "embed": -0.5, "head": -0.5, "scalar": -0.5},
     "adamw": {"matrix": -1.0, "embed": 0.0, "head": -1.0, "scalar": 0.0},
