@@ -104,8 +104,8 @@ class OptimConfig:
     lr_ref_width: int = 0
     """0 = every lr as given. Else the lrs are given at d_model = lr_ref_width and each group's is
     scaled to the model's width by (d_model / lr_ref_width) ** its exponent (pipeline/optim/lrs.py:
-    measured: under Muon matrices 0, tables, an untied head and gains -0.5; under AdamW muP's
-    matrices -1, tables and gains 0, an untied head -1 (muP's, not measured))."""
+    measured from d_model 128 to 512: under Muon matrices 0, tables, an untied head and gains -0.5;
+    under AdamW matrices -1, tables and gains 0, and muP's -1, not yet measured, for an untied head)."""
     beta1: float = 0.9
     """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95
