@@ -105,7 +105,7 @@ class OptimConfig:
     """0 = every lr as given. Else the lrs are given at d_model = lr_ref_width and each group's is
     scaled to the model's width by (d_model / lr_ref_width) ** its exponent (pipeline/optim/lrs.py:
     measured from d_model 128 to 512: under Muon matrices 0, tables, an untied head and gains -0.5;
-    under AdamW matrices -1, tables and gains 0, and muP's -1, not yet measured, for an untied head)."""
+    under AdamW muP's: matrices and an untied head -1, tables and gains 0)."""
     beta1: float = 0.9
     """AdamW's first-moment decay (the momentum of the update)."""
     beta2: float = 0.95

@@ -31,8 +31,8 @@ GROUPS = ("matrix", "embed", "head", "scalar")
 # d_model 128 to 512 (bench/results/lr_sweep_*zen4.txt). Muon: the matrices 0, as Muon's
 # orthogonalised update, of fixed spectral norm whatever the width, predicts; every AdamW group
 # -0.5, nanochat's rule: the tied table with the gains, and an untied head (flat; muP's -1 moved
-# it 1.3 steps). AdamW: muP's (Tensor Programs V, Table 3), measured for the matrices (-1) and
-# the tied table with the gains (0); an untied head's -1 is muP's, not measured under AdamW.
+# it 1.3 steps). AdamW: muP's (Tensor Programs V, Table 3), each measured: the matrices -1, the
+# tied table with the gains 0, an untied head -1.
 WIDTH_EXPONENTS = {
     "muon": {"matrix": 0.0, "embed": -0.5, "head": -0.5, "scalar": -0.5},
     "adamw": {"matrix": -1.0, "embed": 0.0, "head": -1.0, "scalar": 0.0},
