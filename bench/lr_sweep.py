@@ -4,6 +4,7 @@ d_model, to find each group's optimum and the width rule under which it moves le
     nice -n 19 python -m bench.lr_sweep                  # run what is missing, then report
     python -m bench.lr_sweep --report-only               # the table and PNG from finished runs
     nice -n 19 python -m bench.lr_sweep --untied --coords head --rule   # an LM head's lr
+    nice -n 19 python -m bench.lr_sweep --widths 128 --batch 4 [--steps 200]   # 4x the batch
 
 configs/tiny.toml's run (4 layers, head_dim 64, KV heads half the heads, seq 256, 8,192 tokens a
 step, 200 steps, bf16 where the CPU has it) on builtin:pystdlib with the demo's 4,096-id BPE, at
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, header, machine
+from bench.optimum import means, parabola, vertex
 from bench.recipe import finished
 from bench.runs import env, kill_group, train_cmd
 from bench.speedrun import read_records
@@ -48,7 +50,7 @@ CENTRE = {  # configs/tiny.toml's lrs (Muon) when the sweep began; AdamW's a gue
 }
 # AdamW's runs decay the matrices too: the AdamW presets' 0.1 (tiny.toml's 0 is Muon's table's)
 FIXED = {"muon": [], "adamw": ["--optim.weight_decay", "0.1"]}
-STEPS = 200
+STEPS, TOKENS, WARMUP = 200, 8192, 20  # tiny.toml's run (--batch, --steps: a run of other shape)
 MAX_K = 4
 EXPONENTS = (0, -0.5, -1)  # width rules to compare: none, nanochat's AdamW groups', muP's hidden AdamW
 
@@ -67,11 +69,14 @@ def lrs_of(centre: dict[str, float], coord: str, k: int) -> dict[str, float]:
     return lrs
 
 
-def family(optimizer: str, untied: bool, centre: dict[str, float], rule: int = 0) -> str:
+def family(optimizer: str, untied: bool, centre: dict[str, float], rule: int = 0, batch: int = 1,
+           steps: int = STEPS) -> str:
     """The runs' name prefix: the optimizer, then what differs from its tied runs around CENTRE
-    without the rule, so that no two sweeps' runs share a name (a run directory, a ledger line)."""
+    at tiny.toml's batch without the rule, so that no two sweeps' runs share a name (a run
+    directory, a ledger line)."""
     moved = "".join(f"-{g}{lr:g}" for g, lr in centre.items() if lr != CENTRE[optimizer][g])
-    return optimizer + ("-untied" if untied else "") + moved + (f"-rule{rule}" if rule else "")
+    return (optimizer + ("-untied" if untied else "") + moved + (f"-rule{rule}" if rule else "")
+            + (f"-batch{batch}" if batch > 1 else "") + (f"-steps{steps}" if steps * batch != STEPS else ""))
 
 
 def run_name(family: str, width: int, seed: int, coord: str, k: int) -> str:
@@ -176,7 +181,9 @@ def run_cmd(args, out: Path, width: int, seed: int, coord: str, k: int) -> list[
     return train_cmd(["--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(args.data),
                       "--log.out_dir", str(out), "--optim.name", args.optimizer, *shape_flags(width),
                       "--model.tie_embeddings", "false" if args.untied else "true",
-                      "--train.seed", str(seed), "--train.max_steps", str(STEPS),
+                      "--train.seed", str(seed), "--train.max_steps", str(args.steps),
+                      "--train.global_batch_tokens", str(TOKENS * args.batch),
+                      "--optim.warmup_steps", str(WARMUP * args.steps // STEPS),
                       "--sample.every", "0", "--eval.every", "0", "--eval.tasks_every", "0",
                       "--checkpoint.every", "0", "--log.log_every", "50", *FIXED[args.optimizer],
                       *lr_flags, "--optim.lr_ref_width", str(args.rule)])
@@ -224,12 +231,12 @@ def final_loss(args, *key) -> float | None:
     if (done := ledger(args).get(name)) is not None and done["lrs"] == lrs:
         return done["val_loss"]  # (a run of another CENTRE is not this one)
     out = args.out_runs / name
-    if not finished(out, STEPS):
+    if not finished(out, steps := args.steps):
         return None
-    loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == STEPS and "val_loss" in r)
+    loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == steps and "val_loss" in r)
     record = {"run": name, "val_loss": loss, "optimizer": args.optimizer, "untied": args.untied,
               "d_model": width, "seed": seed, "coord": coord, "k": k, "lrs": lrs,
-              "lr_ref_width": args.rule, "model_lrs": model_lrs(args, width, lrs), "steps": STEPS,
+              "lr_ref_width": args.rule, "model_lrs": model_lrs(args, width, lrs), "steps": steps,
               "machine": machine(), "finished": time.strftime("%Y-%m-%d %H:%M UTC",
                                                               time.gmtime(out.stat().st_mtime))}
     with args.ledger.open("a") as f:
@@ -260,26 +267,6 @@ def curves(args) -> dict[tuple[str, int], list[tuple[float, float | None, list[f
     return result
 
 
-def means(points: list[tuple[float, float | None, list]]) -> list[tuple[float, float, list]]:
-    """The points every seed finished."""
-    return [p for p in points if p[1] is not None]
-
-
-def vertex(points: list[tuple[float, float, list]]) -> float:
-    """The lr at the minimum of the parabola in log2(lr) through the best grid point and its two
-    neighbours among `points` (the best point itself where it is at an edge or the parabola opens
-    downwards). The neighbours may be more than one grid step away: a seed's span may skip a k."""
-    i = min(range(len(points)), key=lambda j: points[j][1])
-    if i in (0, len(points) - 1):
-        return points[i][0]
-    (x0, y0), (x1, y1), (x2, y2) = ((math.log2(p[0]), p[1]) for p in points[i - 1:i + 2])
-    slope_left, slope_right = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
-    curvature = (slope_right - slope_left) / (x2 - x0)  # the parabola's x^2 coefficient
-    if curvature <= 0:
-        return points[i][0]
-    return 2 ** ((x0 + x1) / 2 - slope_left / (2 * curvature))
-
-
 def factor(args, coord: str, width: int, ref: int | None = None) -> float:
     from pipeline.config import OptimConfig
     from pipeline.optim.lrs import width_factor
@@ -292,8 +279,8 @@ def report(args) -> list[str]:
     found = curves(args)
     lines = [header(), f"# {args.optimizer}, {'untied' if args.untied else 'tied'}, coordinates "
              f"{', '.join(args.coords)} around {args.centre}, grid x2^k, --span {sorted(args.span)} around each "
-             f"width's start, seeds {args.seeds}, {STEPS} steps of "
-             f"{' '.join(['8,192 tokens', *FIXED[args.optimizer]])}; final val loss (16,384 val tokens); mean over the seeds "
+             f"width's start, seeds {args.seeds}, {shape(args)} "
+             f"{' '.join(FIXED[args.optimizer])}; final val loss (16,384 val tokens); mean over the seeds "
              "(- = a seed's run not finished: not in the mean)",
              "# lr: the model's (the rule applied where a run took it)",
              "coord          width   lr        lr@ref    mean     per seed"]
@@ -351,14 +338,6 @@ def rule_costs(args, found, best: dict, coord: str) -> str:
     return ", ".join(out) + f" (the worst width's, from d{args.ref_width}'s optimum)"
 
 
-def parabola(points: list[tuple[float, float]], x: float) -> float:
-    """The value at x of the parabola through three (x, y) points (Lagrange's form)."""
-    (x0, y0), (x1, y1), (x2, y2) = points
-    return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2))
-            + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
-            + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
-
-
 def plot(args, png: Path) -> None:
     import matplotlib
 
@@ -381,11 +360,15 @@ def plot(args, png: Path) -> None:
             ax.set_ylabel("final val loss (nats/token)")
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.suptitle(f"lr sweep, {args.family},\n4 layers, {STEPS} steps x 8,192 tokens "
+    fig.suptitle(f"lr sweep, {args.family},\n4 layers, {shape(args)} "
                  f"(mean over seeds {args.seeds})", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def shape(args) -> str:
+    return f"{args.steps} steps of {TOKENS * args.batch:,} tokens"
 
 
 def ints(text: str) -> list[int]:
@@ -423,6 +406,10 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     p.add_argument("--rule", action="store_true", help="runs take the lrs as given at --ref-width: "
                    "a wider width's grid starts where the rule puts the narrower one's optimum")
+    p.add_argument("--batch", type=int, default=1, help="B x tiny.toml's tokens a step: where the "
+                   "optimum moves with the batch")
+    p.add_argument("--steps", type=int, default=0, help="a run's steps, its warmup 10 %% of them "
+                   "(0: tiny.toml's 200 / --batch, the same tokens)")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     args.coords = args.coords.split(",")
@@ -432,7 +419,11 @@ def main() -> int:
         p.error(f"--centre: no group {', '.join(sorted(unknown))}; the groups are {', '.join(KEYS)}")
     args.centre = CENTRE[args.optimizer] | args.centre
     args.rule = args.ref_width if args.rule else 0
-    args.family = family(args.optimizer, args.untied, args.centre, args.rule)
+    args.steps = args.steps or STEPS // args.batch
+    if args.steps * WARMUP % STEPS:
+        p.error("--steps (200 / --batch where not given) must be a multiple of 10 (the warmup is "
+                "10 %): e.g. --batch 2, 4 or 5, or --steps 200")
+    args.family = family(args.optimizer, args.untied, args.centre, args.rule, args.batch, args.steps)
     if not args.report_only:
         if not (args.data / "manifest.json").is_file():
             sys.exit(f"error: no prepared data at {args.data}; run lmforge prepare --source "

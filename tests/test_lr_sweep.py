@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from bench import lr_sweep
+from bench import lr_sweep, optimum
 
 SEEDS = [2001, 2002]
 
@@ -20,7 +20,7 @@ def sweep_args(tmp_path) -> argparse.Namespace:
     return argparse.Namespace(widths=[128, 256, 512], seeds=SEEDS, span=[-1, 0, 1], optimizer="muon",
                               untied=False, centre=lr_sweep.CENTRE["muon"], family="muon",
                               coords=["matrix", "embed+scalar"], ledger=tmp_path / "runs.jsonl",
-                              out_runs=tmp_path / "runs", rule=0, ref_width=256, data=tmp_path)
+                              out_runs=tmp_path / "runs", rule=0, ref_width=256, data=tmp_path, batch=1, steps=200)
 
 
 def record(args, width: int, coord: str, k: int, loss: float, seeds=SEEDS) -> None:
@@ -41,12 +41,12 @@ def bowl(best_k: float):
 def test_the_vertex_is_the_parabolas_minimum_on_an_uneven_grid_too(ks):
     loss = bowl(0.6)
     points = [(0.02 * 2.0 ** k, loss(k), []) for k in ks]
-    assert math.log2(lr_sweep.vertex(points) / 0.02) == pytest.approx(0.6)
+    assert math.log2(optimum.vertex(points) / 0.02) == pytest.approx(0.6)
 
 
 def test_an_edge_point_is_its_own_optimum():
     points = [(0.02 * 2.0 ** k, 5.0 - k, []) for k in (0, 1, 2)]
-    assert lr_sweep.vertex(points) == pytest.approx(0.08)
+    assert optimum.vertex(points) == pytest.approx(0.08)
 
 
 def test_a_wider_width_is_swept_around_the_narrower_ones_optimum(tmp_path):
@@ -113,7 +113,7 @@ def test_a_rule_costs_nothing_where_it_carries_the_optimum_and_its_miss_where_it
         for k in range(-2, 3):
             record(args, width, "matrix", k, bowl(k0)(k))
     found = lr_sweep.curves(args)
-    optima = {("matrix", w): lr_sweep.vertex(lr_sweep.means(found["matrix", w])) for w in best}
+    optima = {("matrix", w): optimum.vertex(optimum.means(found["matrix", w])) for w in best}
     costs = dict(part.split(": ") for part in lr_sweep.rule_costs(args, found, optima, "matrix")
                  .split(" (")[0].split(", "))
     assert costs["-1"] == "+0.000 nats"
@@ -142,3 +142,21 @@ def test_the_reported_lr_is_the_one_the_run_trains_with_whatever_tiny_toml_says(
         assert peak_lrs(cfg.optim, width)["head"] == pytest.approx(reported)
         given = lr_sweep.lrs_of(args.centre, "head", 1)["head"]
         assert reported == pytest.approx(given * ((width / 256) ** -0.5 if rule else 1))
+
+
+def test_a_batch_sweep_trains_the_tokens_asked_and_names_its_runs_apart(tmp_path):
+    """--batch 4: each run takes 4x tiny.toml's tokens a step, for a quarter of its steps (the
+    same tokens) or for --steps; the warmup stays 10 % of the steps; each shape has names of its own."""
+    from pipeline.config import load_config
+
+    tiny = load_config(lr_sweep.ROOT / "configs" / "tiny.toml", [])
+    args = sweep_args(tmp_path)
+    for steps, family in ((50, "adamw-rule256-batch4"), (200, "adamw-rule256-batch4-steps200")):
+        args.batch, args.steps = 4, steps
+        cmd = lr_sweep.run_cmd(args, tmp_path / "run", 128, 2001, "matrix", 0)
+        cfg = load_config(lr_sweep.ROOT / "configs" / "tiny.toml", cmd[cmd.index("--config") + 2:])
+        assert cfg.train.global_batch_tokens == 4 * tiny.train.global_batch_tokens
+        assert (cfg.train.max_steps, cfg.optim.warmup_steps) == (steps, steps // 10)
+        assert lr_sweep.family("adamw", False, lr_sweep.CENTRE["adamw"], 256, 4, steps) == family
+    assert tiny.optim.warmup_steps * 10 == tiny.train.max_steps == lr_sweep.STEPS
+    assert lr_sweep.family("adamw", False, lr_sweep.CENTRE["adamw"], 256) == "adamw-rule256"
