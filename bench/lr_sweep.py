@@ -231,12 +231,12 @@ def final_loss(args, *key) -> float | None:
     if (done := ledger(args).get(name)) is not None and done["lrs"] == lrs:
         return done["val_loss"]  # (a run of another CENTRE is not this one)
     out = args.out_runs / name
-    if not finished(out, steps := args.steps):
+    if not finished(out, args.steps):
         return None
-    loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == steps and "val_loss" in r)
+    loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == args.steps and "val_loss" in r)
     record = {"run": name, "val_loss": loss, "optimizer": args.optimizer, "untied": args.untied,
               "d_model": width, "seed": seed, "coord": coord, "k": k, "lrs": lrs,
-              "lr_ref_width": args.rule, "model_lrs": model_lrs(args, width, lrs), "steps": steps,
+              "lr_ref_width": args.rule, "model_lrs": model_lrs(args, width, lrs), "steps": args.steps,
               "machine": machine(), "finished": time.strftime("%Y-%m-%d %H:%M UTC",
                                                               time.gmtime(out.stat().st_mtime))}
     with args.ledger.open("a") as f:
