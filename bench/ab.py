@@ -45,8 +45,8 @@ def main() -> None:
     a = p.parse_args()
     import torch
 
-    from pipeline import attention
-    from pipeline.hardware import dtype_name, resolve_dtype
+    from lmforge.pipeline import attention
+    from lmforge.pipeline.hardware import dtype_name, resolve_dtype
 
     dtype = resolve_dtype(a.dtype, torch.device("cpu"))
     # Both checkouts run the kernel this one's train.attention = auto picks (a base that chose by

@@ -36,7 +36,7 @@ from bench.speedrun import reach, read_records, spread
 
 
 def prepare_data(data: Path, max_docs: int) -> Path:
-    from launch.prepare import main as prepare
+    from lmforge.launch.prepare import main as prepare
 
     if not (data / "manifest.json").is_file():
         rc = prepare(["--source", "builtin:pystdlib", "--tokenizer", "bpe:1024", "--out", str(data),
@@ -49,9 +49,9 @@ def prepare_data(data: Path, max_docs: int) -> Path:
 def train_one(data: Path, out: Path, seed: int, align: str, args) -> None:
     import torch
 
-    from pipeline.config import load_config
-    from pipeline.parallel.distributed import DistInfo
-    from pipeline.train import Trainer
+    from lmforge.pipeline.config import load_config
+    from lmforge.pipeline.parallel.distributed import DistInfo
+    from lmforge.pipeline.train import Trainer
 
     overrides = [
         "--data.path", str(data), "--data.align", align, "--log.out_dir", str(out),

@@ -61,10 +61,10 @@ def main() -> None:
     add_model_args(p, d_model=768, n_layer=8, n_head=12)
     a = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
-    from pipeline.checkpoint.async_writer import Checkpointer
-    from pipeline.config import load_config
-    from pipeline.parallel.distributed import DistInfo
-    from pipeline.train import Trainer
+    from lmforge.pipeline.checkpoint.async_writer import Checkpointer
+    from lmforge.pipeline.config import load_config
+    from lmforge.pipeline.parallel.distributed import DistInfo
+    from lmforge.pipeline.train import Trainer
 
     info = DistInfo(0, 0, 1, __import__("torch").device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:

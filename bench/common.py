@@ -22,7 +22,7 @@ def machine(device: str = "cpu") -> str:
         import torch
 
         return f"GPU: {torch.cuda.get_device_name()}"
-    from pipeline.cpu.machine import cpu_capability, cpu_model
+    from lmforge.pipeline.cpu.machine import cpu_capability, cpu_model
 
     return f"CPU: {cpu_model()} {cpu_capability()} ({os.cpu_count()} cores)"
 

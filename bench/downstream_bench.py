@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from bench.common import header
-from data_prep.tokenizer import load_tokenizer_dir
-from pipeline.inference import load_for_inference
-from pipeline.parallel.distributed import DistInfo
-from pipeline.parallel.parallelize import Precision
-from pipeline.tasks.evaluate import load_task, timed_evaluate
+from lmforge.data_prep.tokenizer import load_tokenizer_dir
+from lmforge.pipeline.inference import load_for_inference
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.parallel.parallelize import Precision
+from lmforge.pipeline.tasks.evaluate import load_task, timed_evaluate
 
 
 def write_jsonl(task, path: Path) -> str:
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--max-examples", type=int, default=200)
     p.add_argument("--lm-eval-batch", type=int, default=32)
     args = p.parse_args()
-    from launch.export import main as export
+    from lmforge.launch.export import main as export
 
     ckpt = load_for_inference(args.ckpt)
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)

@@ -63,16 +63,16 @@ def job_args(a: argparse.Namespace, data: Path, out: Path, world: int) -> list[s
 def worker(a: argparse.Namespace) -> None:
     import torch
 
-    from pipeline import train as train_mod
-    from pipeline.config import load_config
-    from pipeline.parallel.distributed import init_distributed
+    from lmforge.pipeline import train as train_mod
+    from lmforge.pipeline.config import load_config
+    from lmforge.pipeline.parallel.distributed import init_distributed
 
     info = init_distributed(a.device)
     if info.device.type == "cuda":
         torch.cuda.init()
     start = rss_mb()
     if a.old_init:  # the whole model on every rank first, as before meta-device builds
-        from model import GPT
+        from lmforge.model import GPT
         train_mod.meta_gpt = GPT
     cfg = load_config(None, [f"--{kv}" for kv in a.job])
     trainer = train_mod.Trainer(cfg, info)
@@ -98,7 +98,7 @@ def worker(a: argparse.Namespace) -> None:
 def write_data(a: argparse.Namespace, root: Path) -> Path:
     """A small slice of the built-in corpus with a trained BPE of the model's vocabulary (memory
     does not depend on what the tokens say)."""
-    from launch.prepare import main as prepare
+    from lmforge.launch.prepare import main as prepare
 
     out = root / "data"
     rc = prepare(["--source", "builtin:pystdlib", "--tokenizer", f"bpe:{a.vocab}", "--out",
@@ -109,10 +109,10 @@ def write_data(a: argparse.Namespace, root: Path) -> Path:
 
 
 def planned_mb(a: argparse.Namespace, world: int) -> dict[str, float]:
-    from model import ModelConfig
-    from pipeline.config import load_config
-    from pipeline.parallel.materialize import meta_gpt
-    from pipeline.parallel.plan import strategies
+    from lmforge.model import ModelConfig
+    from lmforge.pipeline.config import load_config
+    from lmforge.pipeline.parallel.materialize import meta_gpt
+    from lmforge.pipeline.parallel.plan import strategies
 
     cfg = load_config(None, [f"--{kv}" for kv in job_args(a, Path("."), Path("."), world)])
     model = meta_gpt(ModelConfig(**{**cfg.model.to_dict(), "vocab_size": a.vocab}))

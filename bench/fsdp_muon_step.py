@@ -28,7 +28,7 @@ def step_seconds(a: argparse.Namespace, data: Path, optimizer: str) -> float:
     with tempfile.TemporaryDirectory() as out:
         tokens = a.seq_len * a.micro_batch * a.ranks
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={a.ranks}", "-m", "launch.train", "--data.path", str(data),
+               f"--nproc_per_node={a.ranks}", "-m", "lmforge.launch.train", "--data.path", str(data),
                "--log.out_dir", out, "--data.seq_len", str(a.seq_len), "--model.d_model",
                str(a.d_model), "--model.n_layer", str(a.n_layer), "--model.n_head", str(a.n_head),
                "--model.n_kv_head", str(a.n_head), "--model.max_seq_len", str(a.seq_len),

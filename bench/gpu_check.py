@@ -35,9 +35,9 @@ import torch
 from bench import runs as lu
 from bench.common import GPT2_VOCAB, ROOT
 from bench.train_bench import Run, training_step
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.hardware import configure_cuda, datasheet_peak, dtype_name, resolve_dtype
-from pipeline.parallel.materialize import meta_gpt
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.hardware import configure_cuda, datasheet_peak, dtype_name, resolve_dtype
+from lmforge.pipeline.parallel.materialize import meta_gpt
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
 # themselves) agree to ~1e-3 early on and drift slowly; a real bug is off by far more.
@@ -123,7 +123,7 @@ def step_check(device: torch.device, smoke: bool, only: list[str] | None = None)
 
 
 def cpu_room_check(device: torch.device) -> dict[str, dict]:
-    room = sorted(m for m in sys.modules if m.startswith("pipeline.cpu"))
+    room = sorted(m for m in sys.modules if m.startswith("lmforge.pipeline.cpu"))
     if device.type != "cuda":
         return {}
     return {"no CPU room": {"ok": not room, "detail": f"pipeline.cpu modules imported: {room}"}}
@@ -133,7 +133,7 @@ def prepare_data(work: Path, smoke: bool) -> Path:
     out = work / "data"
     tokenizer = "bpe:512" if smoke else (str(GPT2_VOCAB) if GPT2_VOCAB.is_file() else "bpe:4096")
     docs = "120" if smoke else "3000"
-    res = lu.run([sys.executable, "-m", "launch.cli", "prepare", "--source", "builtin:pystdlib",
+    res = lu.run([sys.executable, "-m", "lmforge.launch.cli", "prepare", "--source", "builtin:pystdlib",
                   "--tokenizer", tokenizer, "--out", str(out), "--max-docs", docs,
                   "--val-docs", "12", "--workers", "4"], timeout=300)
     if res.returncode != 0:

@@ -32,6 +32,6 @@ else
     PY=python
 fi
 echo "=== lmforge env"
-timeout 180 "$PY" -m launch.cli env
+timeout 180 "$PY" -m lmforge.launch.cli env
 echo "=== gpu_check"
 timeout 540 "$PY" -m bench.gpu_check "$@"

@@ -56,7 +56,7 @@ def measure(loader: str, directory: Path) -> dict:
     import torch
     import transformers
 
-    from pipeline.checkpoint.hf_init import load_hf_model
+    from lmforge.pipeline.checkpoint.hf_init import load_hf_model
 
     load = {"lmforge": load_hf_model,
             "transformers": lambda d: transformers.AutoModelForCausalLM.from_pretrained(

@@ -13,7 +13,7 @@ joined by '+' moved together) at CENTRE x 2^k, the others at CENTRE. At the narr
 over --span; at each wider one over --span moved to the grid point nearest the next narrower
 width's optimum (as given), so the dearer widths run the points around their optimum; where
 a coordinate's best is at its grid's edge the sweep walks on, one k at a time. --jobs runs at a
-time, each `python -m launch.train` with one thread; a run's result is its final val loss, kept in
+time, each `python -m lmforge.launch.train` with one thread; a run's result is its final val loss, kept in
 --ledger (committed): a run there is not run again, so an interrupted sweep continues where it
 stopped, in any checkout. Seeds 2001.. by default: not the reported runs'.
 
@@ -153,8 +153,8 @@ def next_run(args, tried: set) -> tuple[str, int, int, str, int] | None:
 
 def held(run_dir: Path) -> bool:
     """Whether a run (this sweep's or another's) holds run_dir's lock."""
-    from pipeline.checkpoint.lock import check_unlocked
-    from pipeline.typed_config import ConfigError
+    from lmforge.pipeline.checkpoint.lock import check_unlocked
+    from lmforge.pipeline.typed_config import ConfigError
 
     try:
         check_unlocked(run_dir)
@@ -268,8 +268,8 @@ def curves(args) -> dict[tuple[str, int], list[tuple[float, float | None, list[f
 
 
 def factor(args, coord: str, width: int, ref: int | None = None) -> float:
-    from pipeline.config import OptimConfig
-    from pipeline.optim.lrs import width_factor
+    from lmforge.pipeline.config import OptimConfig
+    from lmforge.pipeline.optim.lrs import width_factor
 
     rule = OptimConfig(name=args.optimizer, lr_ref_width=args.ref_width if ref is None else ref)
     return width_factor(rule, coord.split("+")[0], width)

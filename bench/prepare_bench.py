@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 
 from bench.common import GPT2_VOCAB, ROOT, header
-from data_prep.sources import Source, pystdlib_files
-from data_prep.tokenizer import CL100K_PATTERN, load_tokenizer
+from lmforge.data_prep.sources import Source, pystdlib_files
+from lmforge.data_prep.tokenizer import CL100K_PATTERN, load_tokenizer
 
 # Runs prepare in a child through the CLI's entry point (what `lmforge prepare` runs, imports
 # included) and prints its own peak RSS (bench.common.memory_mb: not ru_maxrss, which Linux
 # carries across exec from the forked bench, holding the corpus in memory).
-CHILD = ("import sys; from bench.common import memory_mb; from launch.cli import main; "
+CHILD = ("import sys; from bench.common import memory_mb; from lmforge.launch.cli import main; "
          "rc = main(['prepare', *sys.argv[1:]]); print('RSS_KIB', int(memory_mb('cpu', True) * 1024)); "
          "sys.exit(rc)")
 
@@ -87,8 +87,8 @@ def bench_stages(tokenizer: str, workers: int, reps: int, tmp: Path) -> None:
     pool task timed) and the main thread's CPU, against the run's wall time."""
     import threading
 
-    import data_prep.prepare as prep
-    from launch.cli import main as cli
+    import lmforge.data_prep.prepare as prep
+    from lmforge.launch.cli import main as cli
 
     encode_batch, busy = prep.encode_batch, {}
 

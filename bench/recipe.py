@@ -83,7 +83,7 @@ def overrides(variant: str, preset: list[str]) -> list[str]:
 
 
 def job_config(data: Path, out: Path, seed: int, args, extra: list[str]):
-    from pipeline.config import load_config
+    from lmforge.pipeline.config import load_config
 
     flags = [
         "--data.path", str(data), "--log.out_dir", str(out), "--train.seed", str(seed),
@@ -99,8 +99,8 @@ def job_config(data: Path, out: Path, seed: int, args, extra: list[str]):
 def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
     import torch
 
-    from pipeline.parallel.distributed import DistInfo
-    from pipeline.train import Trainer
+    from lmforge.pipeline.parallel.distributed import DistInfo
+    from lmforge.pipeline.train import Trainer
 
     Trainer(job_config(data, out, seed, args, extra), DistInfo(0, 0, 1, torch.device("cpu"))).fit()
 
@@ -128,8 +128,8 @@ def step_times(data: Path, names: list[str], preset: list[str], args) -> dict[st
     variants taking turns round after round."""
     import torch
 
-    from model.model import GPT
-    from pipeline.optim.optimizers import build_optimizer
+    from lmforge.model.model import GPT
+    from lmforge.pipeline.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     setups = {}
@@ -262,7 +262,7 @@ def run_all(args, names: list[str], preset: list[str]) -> dict[str, list[list[di
 
 def prepare_data(data: Path) -> Path:
     """The corpus with a 2,048-id BPE, prepared once."""
-    from launch.prepare import main as prepare
+    from lmforge.launch.prepare import main as prepare
 
     if not (data / "manifest.json").is_file():
         rc = prepare(["--source", "builtin:pystdlib", "--tokenizer", "bpe:2048", "--out", str(data), "--quiet"])

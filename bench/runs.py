@@ -41,7 +41,7 @@ def run_args(data, out, *extra: str) -> list[str]:
 
 def run_config(data, out, *extra: str):
     """The JobConfig of those flags, for a Trainer built in the test's own process."""
-    from pipeline.config import load_config
+    from lmforge.pipeline.config import load_config
 
     return load_config(None, run_args(data, out, *extra))
 
@@ -60,7 +60,7 @@ def free_port() -> int:
 
 
 def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun",
-              module: str = "launch.train") -> list[str]:
+              module: str = "lmforge.launch.train") -> list[str]:
     """The command that trains with `args` (`module`: launch.train, or a test's wrapper of it)."""
     py = sys.executable
     if nproc == 1 and launcher == "torchrun":
@@ -76,9 +76,10 @@ def train_cmd(args: list[str], nproc: int = 1, launcher: str = "torchrun",
     raise ValueError(launcher)
 
 
-def start(cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` in the repository root with env() (and extra_env over it)."""
-    return subprocess.Popen(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+def start(cmd: list[str], extra_env: dict[str, str] | None = None,
+          cwd: Path = ROOT) -> subprocess.Popen:
+    """Start `cmd` in `cwd` (the repository root) with env() (and extra_env over it)."""
+    return subprocess.Popen(cmd, cwd=cwd, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -114,9 +115,9 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 
 def run(cmd: list[str], timeout: float = 240, retries: int = 1,
-        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        extra_env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     for attempt in range(retries + 1):
-        proc = start(cmd, extra_env)
+        proc = start(cmd, extra_env, cwd)
         try:
             out, _ = proc.communicate(timeout=timeout)
             return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
@@ -129,7 +130,7 @@ def run(cmd: list[str], timeout: float = 240, retries: int = 1,
 
 
 def train(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: float = 240,
-          extra_env: dict[str, str] | None = None, module: str = "launch.train"):
+          extra_env: dict[str, str] | None = None, module: str = "lmforge.launch.train"):
     """Run to completion and assert success; returns the CompletedProcess."""
     res = run(train_cmd(args, nproc, launcher, module), timeout=timeout, extra_env=extra_env)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}"

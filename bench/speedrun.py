@@ -37,7 +37,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 
 def prepare_data(data: Path) -> Path:
-    from launch.prepare import main as prepare
+    from lmforge.launch.prepare import main as prepare
 
     if not (data / "manifest.json").is_file():
         rc = prepare(["--source", "builtin:pystdlib", "--tokenizer", "bpe:4096", "--out", str(data),
@@ -51,9 +51,9 @@ def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
     """One run through the pipeline's own Trainer; its metrics land in OUT/metrics.jsonl."""
     import torch
 
-    from pipeline.config import load_config
-    from pipeline.parallel.distributed import DistInfo
-    from pipeline.train import Trainer
+    from lmforge.pipeline.config import load_config
+    from lmforge.pipeline.parallel.distributed import DistInfo
+    from lmforge.pipeline.train import Trainer
 
     overrides = [
         "--data.path", str(data), "--log.out_dir", str(out), "--train.seed", str(seed),
@@ -68,7 +68,7 @@ def train_one(data: Path, out: Path, seed: int, args, extra: list[str]) -> None:
 
 
 def read_records(out: Path) -> list[dict]:
-    from pipeline.checkpoint.run_dir import RunDir
+    from lmforge.pipeline.checkpoint.run_dir import RunDir
 
     return [json.loads(ln) for ln in RunDir(out).metrics.read_text().splitlines()]
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep import shards as S
-from pipeline.data.loader import TokenWindows, TrainLoader
+from lmforge.data_prep import shards as S
+from lmforge.pipeline.data.loader import TokenWindows, TrainLoader
 
 VOCAB, SEQ_LEN, MICRO, ACCUM, WORLD, STEPS = 50257, 1024, 8, 4, 8, 4
 

@@ -72,10 +72,10 @@ class Run:
     def model_config(self):
         """lmforge's model at this run's shape (every head its own K/V head, as the peers'), or
         model_toml's model at this run's vocabulary and sequence length."""
-        from model import ModelConfig
+        from lmforge.model import ModelConfig
 
         if self.model_toml:
-            from pipeline.config import load_config
+            from lmforge.pipeline.config import load_config
 
             m = load_config(self.model_toml, []).model
             return replace(m, vocab_size=self.vocab, max_seq_len=self.seq_len)
@@ -94,14 +94,14 @@ SMOKE_IMPLS = [("lmforge", False), ("gpt2", False), ("hf", False)]
 
 
 def build_lmforge(r: Run, device):
-    from model import GPT
-    from pipeline import attention
-    from pipeline.config import OptimConfig
-    from pipeline.hardware import DTYPES
-    from pipeline.loss import resolve_loss
-    from pipeline.optim.optimizers import build_optimizer
-    from pipeline.parallel.distributed import DistInfo
-    from pipeline.parallel.parallelize import Precision, parallelize
+    from lmforge.model import GPT
+    from lmforge.pipeline import attention
+    from lmforge.pipeline.config import OptimConfig
+    from lmforge.pipeline.hardware import DTYPES
+    from lmforge.pipeline.loss import resolve_loss
+    from lmforge.pipeline.optim.optimizers import build_optimizer
+    from lmforge.pipeline.parallel.distributed import DistInfo
+    from lmforge.pipeline.parallel.parallelize import Precision, parallelize
 
     info = DistInfo(0, 0, 1, device)
     model = GPT(r.model_config()).to(device)
@@ -119,8 +119,8 @@ def training_step(r: Run):
     over fp32 weights when r.dtype is bf16), backward, gradient clipping at 1.0, AdamW."""
     import torch
 
-    from pipeline.hardware import DTYPES, configure_cuda
-    from pipeline.parallel.parallelize import Precision
+    from lmforge.pipeline.hardware import DTYPES, configure_cuda
+    from lmforge.pipeline.parallel.parallelize import Precision
 
     device = torch.device(r.device)
     if device.type == "cuda":
@@ -269,7 +269,7 @@ def describe(device, dtype_arg: str):
     import torch
 
     from bench.cpu_peak import cpu_peak
-    from pipeline.hardware import DTYPES, auto_dtype, datasheet_peak, dtype_name
+    from lmforge.pipeline.hardware import DTYPES, auto_dtype, datasheet_peak, dtype_name
 
     dtype, why = auto_dtype(device) if dtype_arg == "auto" else (DTYPES[dtype_arg], "as requested")
     peak = cpu_peak(dtype) if device.type == "cpu" else datasheet_peak(device, dtype)[0]
@@ -345,7 +345,7 @@ def table(shapes: dict[str, int], impls, res: dict, base: Run, peak: float | Non
     """Print one row per shape and configuration; return the targets' lines."""
     import torch
 
-    from model import GPT
+    from lmforge.model import GPT
 
     print(f"{'shape':5} {'config':18} {'tok/s per round':>22} {'best':>7} {'MFU':>6} "
           f"{'peak MB':>7} {'faults':>7} {'mm ms':>6} {'other':>6} {'1st step':>8}")
@@ -396,9 +396,9 @@ def main() -> None:
     import torch
 
     from bench.cpu_peak import cpu_peak
-    from pipeline import attention
-    from pipeline.hardware import dtype_name
-    from pipeline.loss import resolve_loss
+    from lmforge.pipeline import attention
+    from lmforge.pipeline.hardware import dtype_name
+    from lmforge.pipeline.loss import resolve_loss
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype, peak, line = describe(device, a.dtype)

@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_prep.errors import DataError
-from data_prep.safe_files import read_text
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import read_text
 
 TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 MAX_JSON_BYTES = 1 << 28  # Qwen's tokenizer.json is ~11 MB, Llama 3's ~9 MB

@@ -11,10 +11,10 @@ import os
 import shutil
 from pathlib import Path
 
-from data_prep.errors import DataError
-from data_prep.outdir import TOKENIZER_DIR, resume_state, save_state
-from data_prep.prepare import part_slice, write_errors
-from data_prep.shards import (
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.outdir import TOKENIZER_DIR, resume_state, save_state
+from lmforge.data_prep.prepare import part_slice, write_errors
+from lmforge.data_prep.shards import (
     FORMAT_VERSION,
     SPLITS,
     Manifest,
@@ -26,7 +26,7 @@ from data_prep.shards import (
     read_doc_index,
     shard_name,
 )
-from data_prep.tokenizer import dataset_tokenizer_meta
+from lmforge.data_prep.tokenizer import dataset_tokenizer_meta
 
 
 def merge(dirs: list[Path], out: Path) -> Manifest:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.errors import DataError
-from data_prep.safe_files import read_text
-from data_prep.shards import (
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import read_text
+from lmforge.data_prep.shards import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     SPLITS,
@@ -33,7 +33,7 @@ from data_prep.shards import (
     write_doc_index,
     write_shard,
 )
-from data_prep.tokenizer import read_tokenizer_meta
+from lmforge.data_prep.tokenizer import read_tokenizer_meta
 
 STATE_NAME = ".prepare_state.json"
 TOKENIZER_DIR = "tokenizer"

@@ -37,12 +37,12 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from data_prep.errors import DataError, is_disk_full
-from data_prep.outdir import TOKENIZER_DIR, Ledger, ShardWriter, resume_state, sort_shards
-from data_prep.safe_files import check_writable
-from data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
-from data_prep.sources import Source
-from data_prep.tokenizer import (
+from lmforge.data_prep.errors import DataError, is_disk_full
+from lmforge.data_prep.outdir import TOKENIZER_DIR, Ledger, ShardWriter, resume_state, sort_shards
+from lmforge.data_prep.safe_files import check_writable
+from lmforge.data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
+from lmforge.data_prep.sources import Source
+from lmforge.data_prep.tokenizer import (
     HF_PREFIX,
     META_FILE,
     NAMED,

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from data_prep.errors import DataError
+from lmforge.data_prep.errors import DataError
 
 
 class UnsafeFile(DataError):

@@ -57,8 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.errors import DataError
-from data_prep.safe_files import (
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import (
     atomic_write_bytes,
     check_tree,
     file_sha256,

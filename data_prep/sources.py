@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.errors import DataError
+from lmforge.data_prep.errors import DataError
 
 TEXT_EXTS = (".txt", ".jsonl", ".json")
 RECORD_EXTS = (".jsonl", ".json")

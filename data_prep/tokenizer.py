@@ -25,17 +25,17 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from data_prep.errors import DataError
-from data_prep.hf_tokenizer import read_hf_tokenizer
-from data_prep.safe_files import (
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.hf_tokenizer import read_hf_tokenizer
+from lmforge.data_prep.safe_files import (
     atomic_write_bytes,
     check_dir,
     check_tree,
     file_sha256,
     read_bytes,
 )
-from data_prep.shards import load_manifest
-from data_prep.tokenizer_checks import check_id_range, probe_pattern
+from lmforge.data_prep.shards import load_manifest
+from lmforge.data_prep.tokenizer_checks import check_id_range, probe_pattern
 
 EOT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")

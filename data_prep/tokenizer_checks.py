@@ -7,7 +7,7 @@ import os
 
 import tiktoken
 
-from data_prep.errors import DataError
+from lmforge.data_prep.errors import DataError
 
 # Text every split pattern is tried on when a tokenizer is built: one that matches the empty
 # string, or backtracks without bound, makes tiktoken's Rust core panic on encoding, and a panic

@@ -23,14 +23,14 @@ import sys
 from pathlib import Path
 
 SUBCOMMANDS = {
-    "prepare": ("launch.prepare", "main", "tokenize a corpus into shards"),
-    "inspect": ("launch.prepare", "inspect_main", "summarise shards and decode a sample"),
-    "train": ("launch.train", "cli_main", "train (use --nproc N to start torchrun)"),
-    "eval": ("launch.evaluate", "main", "loss, perplexity and bits per byte of a checkpoint"),
-    "sample": ("launch.sample", "main", "generate text from a checkpoint"),
-    "export": ("launch.export", "main", "export a checkpoint to the Hugging Face Llama format"),
-    "demo": ("launch.demo", "main", "prepare -> train -> eval -> sample on the built-in corpus"),
-    "env": ("launch.envinfo", "main", "this machine: torch build, devices, dtype auto picks, peak"),
+    "prepare": ("lmforge.launch.prepare", "main", "tokenize a corpus into shards"),
+    "inspect": ("lmforge.launch.prepare", "inspect_main", "summarise shards and decode a sample"),
+    "train": ("lmforge.launch.train", "cli_main", "train (use --nproc N to start torchrun)"),
+    "eval": ("lmforge.launch.evaluate", "main", "loss, perplexity and bits per byte of a checkpoint"),
+    "sample": ("lmforge.launch.sample", "main", "generate text from a checkpoint"),
+    "export": ("lmforge.launch.export", "main", "export a checkpoint to the Hugging Face Llama format"),
+    "demo": ("lmforge.launch.demo", "main", "prepare -> train -> eval -> sample on the built-in corpus"),
+    "env": ("lmforge.launch.envinfo", "main", "this machine: torch build, devices, dtype auto picks, peak"),
 }
 
 
@@ -61,16 +61,16 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        from pipeline.typed_config import ConfigError
+        from lmforge.pipeline.typed_config import ConfigError
 
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that mean 'the user asked for something wrong', not 'a bug'."""
-    from data_prep.errors import DataError
-    from pipeline.errors import CheckpointError
-    from pipeline.typed_config import ConfigError
+    from lmforge.data_prep.errors import DataError
+    from lmforge.pipeline.errors import CheckpointError
+    from lmforge.pipeline.typed_config import ConfigError
 
     return (DataError, CheckpointError, ConfigError)
 

@@ -25,20 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-from data_prep.prepare import PrepareConfig, prepare
-from data_prep.tokenizer import encode_prompt, load_tokenizer_dir
-from launch.cli import ArgumentParser
-from launch.evaluate import evaluate_checkpoint, evaluate_tasks_of, load_tasks, report
-from launch.prepare import summary
-from launch.sample import write_sample
-from model import SamplingParams
-from pipeline.checkpoint.format import CheckpointError
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.config import ConfigError, JobConfig, load_config
-from pipeline.hardware import dtype_name
-from pipeline.inference import load_for_inference
-from pipeline.parallel.distributed import init_distributed
-from pipeline.parallel.parallelize import Precision
+from lmforge.data_prep.prepare import PrepareConfig, prepare
+from lmforge.data_prep.tokenizer import encode_prompt, load_tokenizer_dir
+from lmforge.launch.cli import ArgumentParser
+from lmforge.launch.evaluate import evaluate_checkpoint, evaluate_tasks_of, load_tasks, report
+from lmforge.launch.prepare import summary
+from lmforge.launch.sample import write_sample
+from lmforge.model import SamplingParams
+from lmforge.pipeline.checkpoint.format import CheckpointError
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.config import ConfigError, JobConfig, load_config
+from lmforge.pipeline.hardware import dtype_name
+from lmforge.pipeline.inference import load_for_inference
+from lmforge.pipeline.parallel.distributed import init_distributed
+from lmforge.pipeline.parallel.parallelize import Precision
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "
@@ -73,7 +73,7 @@ def run_training(data: Path, run: Path, nproc: int, overrides: list[str]) -> Non
     if (RunDir(run).final / "meta.json").is_file():
         print(f"already trained: {run / 'final'} exists (delete {run} to train again)")
         return
-    cmd = [sys.executable, "-m", "launch.cli", "train", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "lmforge.launch.cli", "train", "--nproc", str(nproc),
            "--config", str(CONFIG), "--data.path", str(data), "--log.out_dir", str(run),
            "--resume", "auto", *overrides]
     print("$ " + " ".join(cmd[1:]), flush=True)

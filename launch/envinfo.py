@@ -20,11 +20,11 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
-from launch.cli import ArgumentParser
-from pipeline import attention, hardware
-from pipeline.config import ConfigError
-from pipeline.loss import resolve_loss
-from pipeline.parallel.parallelize import resolve_compile
+from lmforge.launch.cli import ArgumentParser
+from lmforge.pipeline import attention, hardware
+from lmforge.pipeline.config import ConfigError
+from lmforge.pipeline.loss import resolve_loss
+from lmforge.pipeline.parallel.parallelize import resolve_compile
 
 # configs/tiny.toml's shape with the demo's 4096-id BPE: what the rules are stated for.
 DEMO_VOCAB, DEMO_SEQ_LEN, DEMO_BATCH = 4096, 256, 8
@@ -66,7 +66,7 @@ def gpus() -> list[dict]:
 
 
 def cpu() -> dict:
-    from pipeline.cpu.machine import cpu_capability, cpu_flags, cpu_model, native_bf16
+    from lmforge.pipeline.cpu.machine import cpu_capability, cpu_flags, cpu_model, native_bf16
 
     flags = cpu_flags()
     try:

@@ -3,7 +3,7 @@ downstream multiple-choice tasks (pipeline/tasks/).
 
     lmforge eval --ckpt runs/tiny --data data/pystdlib [--split val] [--max-tokens N] [--json F]
     lmforge eval --ckpt runs/tiny --tasks arc_easy,piqa,mine.jsonl [--max-examples N] [--nproc N]
-    torchrun --nproc_per_node=8 -m launch.evaluate --ckpt ... --data ...   (ranks split the tokens)
+    torchrun --nproc_per_node=8 -m lmforge.launch.evaluate --ckpt ... --data ...   (ranks split the tokens)
 
 `--tasks` alone skips the perplexity (give --data too for both); `--nproc N` starts torchrun.
 
@@ -24,26 +24,26 @@ from pathlib import Path
 
 import torch
 
-from data_prep.errors import DataError
-from data_prep.safe_files import atomic_write_bytes, check_writable
-from data_prep.shards import SPLITS, check_dir_path
-from data_prep.tokenizer import (
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import atomic_write_bytes, check_writable
+from lmforge.data_prep.shards import SPLITS, check_dir_path
+from lmforge.data_prep.tokenizer import (
     dataset_tokenizer_meta,
     load_tokenizer_dir,
     read_tokenizer_meta,
     token_byte_lengths,
 )
-from launch.cli import ArgumentParser
-from pipeline import attention
-from pipeline.config import ConfigError
-from pipeline.data.windows import TokenWindows
-from pipeline.evaluate import EvalResult, eval_batches, evaluate
-from pipeline.hardware import dtype_name
-from pipeline.inference import LoadedCheckpoint, load_for_inference
-from pipeline.loss import build_loss, resolve_loss
-from pipeline.parallel.distributed import DistInfo, distributed
-from pipeline.parallel.parallelize import Precision
-from pipeline.tasks.evaluate import (
+from lmforge.launch.cli import ArgumentParser
+from lmforge.pipeline import attention
+from lmforge.pipeline.config import ConfigError
+from lmforge.pipeline.data.windows import TokenWindows
+from lmforge.pipeline.evaluate import EvalResult, eval_batches, evaluate
+from lmforge.pipeline.hardware import dtype_name
+from lmforge.pipeline.inference import LoadedCheckpoint, load_for_inference
+from lmforge.pipeline.loss import build_loss, resolve_loss
+from lmforge.pipeline.parallel.distributed import DistInfo, distributed
+from lmforge.pipeline.parallel.parallelize import Precision
+from lmforge.pipeline.tasks.evaluate import (
     Task,
     TaskResult,
     check_specs,
@@ -52,7 +52,7 @@ from pipeline.tasks.evaluate import (
     table,
     timed_evaluate,
 )
-from pipeline.typed_config import number
+from lmforge.pipeline.typed_config import number
 
 FSDP_BF16_REL_TOL = 5e-4
 """How far a bf16 FSDP run's logged val loss may lie from this eval's: the norm gains rounded to
@@ -201,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--json {args.json} is a directory; give a file path")
         check_writable(args.json.parent, what="--json")
     if args.nproc > 1:
-        from launch.train import torchrun, without_nproc
+        from lmforge.launch.train import torchrun, without_nproc
 
         return torchrun(["--standalone", f"--nproc_per_node={args.nproc}", "-m",
-                         "launch.evaluate", *without_nproc(argv)])
+                         "lmforge.launch.evaluate", *without_nproc(argv)])
     record: dict = {}
     with distributed(args.device) as info:
         ckpt = load_for_inference(args.ckpt, info.device)
@@ -245,7 +245,7 @@ def write_json(path: Path, record: dict) -> None:
                         "above: give a writable path to keep them as JSON") from None
 
 
-if __name__ == "__main__":  # torchrun -m launch.evaluate ...
-    from launch.cli import run_user_command
+if __name__ == "__main__":  # torchrun -m lmforge.launch.evaluate ...
+    from lmforge.launch.cli import run_user_command
 
     sys.exit(run_user_command(main, sys.argv[1:]))

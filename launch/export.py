@@ -24,10 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from data_prep.errors import is_disk_full
-from data_prep.safe_files import check_writable
-from data_prep.shards import check_dir_path, copy_plain_tree
-from data_prep.tokenizer import (
+from lmforge.data_prep.errors import is_disk_full
+from lmforge.data_prep.safe_files import check_writable
+from lmforge.data_prep.shards import check_dir_path, copy_plain_tree
+from lmforge.data_prep.tokenizer import (
     EOT,
     HF_FILES,
     VOCAB_FILE,
@@ -37,10 +37,10 @@ from data_prep.tokenizer import (
     load_tokenizer_dir,
     read_tokenizer_meta,
 )
-from launch.cli import ArgumentParser
-from model.hf import export_hf, hf_config_dict
-from pipeline.config import ConfigError
-from pipeline.inference import LoadedCheckpoint, load_for_inference
+from lmforge.launch.cli import ArgumentParser
+from lmforge.model.hf import export_hf, hf_config_dict
+from lmforge.pipeline.config import ConfigError
+from lmforge.pipeline.inference import LoadedCheckpoint, load_for_inference
 
 EXPORT_MARKER = "lmforge_export.json"
 TOKENIZER_COPY = "lmforge_tokenizer"

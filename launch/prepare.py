@@ -13,14 +13,14 @@ import json
 import random
 from pathlib import Path
 
-from data_prep.errors import DataError
-from data_prep.merge import merge
-from data_prep.prepare import DEFAULT_VAL_FRACTION, VAL_FLOOR_TOKENS, PrepareConfig, prepare
-from data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
-from data_prep.tokenizer import dataset_tokenizer, decode
-from launch.cli import ArgumentParser
-from pipeline.data.config import DataConfig
-from pipeline.typed_config import add_flags, from_flags, number
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.merge import merge
+from lmforge.data_prep.prepare import DEFAULT_VAL_FRACTION, VAL_FLOOR_TOKENS, PrepareConfig, prepare
+from lmforge.data_prep.shards import SPLITS, Manifest, load_manifest, open_shard, verify
+from lmforge.data_prep.tokenizer import dataset_tokenizer, decode
+from lmforge.launch.cli import ArgumentParser
+from lmforge.pipeline.data.config import DataConfig
+from lmforge.pipeline.typed_config import add_flags, from_flags, number
 
 NOT_FLAGS = ("out", "progress")
 ROWS_SEED = 1337  # train.seed's default (pipeline.config.TrainConfig; a test keeps them equal)  # --out is declared by hand (optional with --verify); --quiet
@@ -138,9 +138,9 @@ def show_rows(args: argparse.Namespace) -> int:
     of that many rows (the draws and each source's order do not depend on the batch size)."""
     # Here, not at the top: the trainer's modules import torch, which costs `lmforge prepare`
     # seconds of start-up (bench/prepare_bench.py's fixed cost) that it never needs.
-    from pipeline.data.config import validate_data
-    from pipeline.data.loader import TrainLoader
-    from pipeline.data.mixture import train_sources
+    from lmforge.pipeline.data.config import validate_data
+    from lmforge.pipeline.data.loader import TrainLoader
+    from lmforge.pipeline.data.mixture import train_sources
     d = DataConfig(path="" if args.mix else str(args.dir), mix=args.mix, align=args.align,
                    seq_len=args.seq_len)
     validate_data(d, max_steps=1)

@@ -21,16 +21,16 @@ from typing import TextIO
 
 import tiktoken
 
-from data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_bytes
-from launch.cli import ArgumentParser
-from model import NonFiniteLogits, SamplingError, SamplingParams, stream
-from model.generate import MIN_TEMPERATURE
-from pipeline.config import ConfigError
-from pipeline.errors import CheckpointError
-from pipeline.hardware import dtype_name
-from pipeline.inference import LoadedCheckpoint, load_for_inference
-from pipeline.parallel.distributed import pick_device
-from pipeline.parallel.parallelize import Precision
+from lmforge.data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_bytes
+from lmforge.launch.cli import ArgumentParser
+from lmforge.model import NonFiniteLogits, SamplingError, SamplingParams, stream
+from lmforge.model.generate import MIN_TEMPERATURE
+from lmforge.pipeline.config import ConfigError
+from lmforge.pipeline.errors import CheckpointError
+from lmforge.pipeline.hardware import dtype_name
+from lmforge.pipeline.inference import LoadedCheckpoint, load_for_inference
+from lmforge.pipeline.parallel.distributed import pick_device
+from lmforge.pipeline.parallel.parallelize import Precision
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """`lmforge train`: the command line of the trainer (pipeline/train.py).
 
-    python -m launch.train --config configs/tiny.toml [--a.b value ...]   one process
-    torchrun --standalone --nproc_per_node=N -m launch.train --config ...  N processes, any nodes
-    accelerate launch --multi_gpu --num_processes N -m launch.train ...   the same, via accelerate
+    python -m lmforge.launch.train --config configs/tiny.toml [--a.b value ...]   one process
+    torchrun --standalone --nproc_per_node=N -m lmforge.launch.train --config ...  N processes, any nodes
+    accelerate launch --multi_gpu --num_processes N -m lmforge.launch.train ...   the same, via accelerate
     lmforge train --nproc N --config ...                                   torchrun, started for you
 
 `--dry-run` prints the resolved config, the derived sizes and the plan (pipeline/parallel/plan.py) and
@@ -21,18 +21,18 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from data_prep.errors import DataError, output_error
-from data_prep.shards import load_manifest
-from launch.cli import ERROR_DIR, ArgumentParser, user_errors
-from pipeline.checkpoint.lock import check_unlocked, run_lock
-from pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
-from pipeline.data.mixture import describe_mixture, open_sources
-from pipeline.metrics import get_logger, setup_logging
-from pipeline.parallel.distributed import DistInfo, any_rank, distributed, stop_with_launcher
-from pipeline.parallel.materialize import meta_gpt
-from pipeline.parallel.plan import report as plan_report
-from pipeline.train import Trainer, TrainingStopped, model_config_for
-from pipeline.typed_config import keys_help, number
+from lmforge.data_prep.errors import DataError, output_error
+from lmforge.data_prep.shards import load_manifest
+from lmforge.launch.cli import ERROR_DIR, ArgumentParser, user_errors
+from lmforge.pipeline.checkpoint.lock import check_unlocked, run_lock
+from lmforge.pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
+from lmforge.pipeline.data.mixture import describe_mixture, open_sources
+from lmforge.pipeline.metrics import get_logger, setup_logging
+from lmforge.pipeline.parallel.distributed import DistInfo, any_rank, distributed, stop_with_launcher
+from lmforge.pipeline.parallel.materialize import meta_gpt
+from lmforge.pipeline.parallel.plan import report as plan_report
+from lmforge.pipeline.train import Trainer, TrainingStopped, model_config_for
+from lmforge.pipeline.typed_config import keys_help, number
 
 log = get_logger()
 
@@ -140,7 +140,7 @@ def cli_main(argv: list[str]) -> int:
     cfg = load_config(parsed.config, overrides)
     open_sources(cfg.data)
     check_unlocked(Path(cfg.log.out_dir))
-    return torchrun(["--standalone", f"--nproc_per_node={parsed.nproc}", "-m", "launch.train",
+    return torchrun(["--standalone", f"--nproc_per_node={parsed.nproc}", "-m", "lmforge.launch.train",
                      *without_nproc(argv)])
 
 
@@ -182,12 +182,12 @@ def without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-if __name__ == "__main__":  # the torchrun / accelerate target: -m launch.train
+if __name__ == "__main__":  # the torchrun / accelerate target: -m lmforge.launch.train
     import logging
 
     import torch.distributed as dist
 
-    from launch.cli import run_user_command
+    from lmforge.launch.cli import run_user_command
 
     rc = run_user_command(main, sys.argv[1:])
     if rc and dist.is_initialized():

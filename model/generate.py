@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from model.model import GPT, ModelConfig
+from lmforge.model.model import GPT, ModelConfig
 
 
 class KVCache:

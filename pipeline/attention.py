@@ -28,7 +28,7 @@ def resolve(requested: str, device: torch.device, dtype: torch.dtype, seq_len: i
 
 def kernel(name: str) -> Attend:
     if name == "eager":
-        from pipeline.cpu.attention import eager_attention  # the CPU room: only when chosen
+        from lmforge.pipeline.cpu.attention import eager_attention  # the CPU room: only when chosen
 
         return eager_attention
     return F.scaled_dot_product_attention

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.config import CALIBRATION_STEPS, JobConfig, save_resolved
-from pipeline.data.config import DataConfig, phase_start
-from pipeline.metrics import get_logger
-from pipeline.parallel.distributed import DistInfo, all_reduce_max
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.config import CALIBRATION_STEPS, JobConfig, save_resolved
+from lmforge.pipeline.data.config import DataConfig, phase_start
+from lmforge.pipeline.metrics import get_logger
+from lmforge.pipeline.parallel.distributed import DistInfo, all_reduce_max
 
 log = get_logger()
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from data_prep.shards import atomic_write_bytes
-from model.generate import SamplingError, SamplingParams
-from model.model import ModelConfig
-from pipeline.checkpoint.hf_init import init_from_model
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.data.config import DATA_KEYS, DataConfig, validate_data
-from pipeline.optim.lrs import legacy_optim, peak_lrs
-from pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
-from pipeline.typed_config import bad_value as _bad
+from lmforge.data_prep.shards import atomic_write_bytes
+from lmforge.model.generate import SamplingError, SamplingParams
+from lmforge.model.model import ModelConfig
+from lmforge.pipeline.checkpoint.hf_init import init_from_model
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.data.config import DATA_KEYS, DataConfig, validate_data
+from lmforge.pipeline.optim.lrs import legacy_optim, peak_lrs
+from lmforge.pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
+from lmforge.pipeline.typed_config import bad_value as _bad
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -13,13 +13,13 @@ import tiktoken
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from data_prep.errors import DataError
-from model import GPT, ModelConfig
-from pipeline.config import EvalConfig, JobConfig
-from pipeline.metrics import get_logger
-from pipeline.parallel.distributed import DistInfo
-from pipeline.parallel.parallelize import Precision
-from pipeline.tasks.evaluate import Task, downstream, evaluate_tasks, load_task
+from lmforge.data_prep.errors import DataError
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline.config import EvalConfig, JobConfig
+from lmforge.pipeline.metrics import get_logger
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.parallel.parallelize import Precision
+from lmforge.pipeline.tasks.evaluate import Task, downstream, evaluate_tasks, load_task
 
 log = get_logger()
 TIMED_EXAMPLES = 8  # the budget's estimate: this many examples of each task timed, then scaled

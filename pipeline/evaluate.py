@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.model import IGNORE_INDEX
-from pipeline.attention import Attend
-from pipeline.data.windows import TokenWindows
-from pipeline.loss import HeadLoss
-from pipeline.parallel.distributed import DistInfo, all_reduce_sum
-from pipeline.parallel.parallelize import Precision
+from lmforge.model.model import IGNORE_INDEX
+from lmforge.pipeline.attention import Attend
+from lmforge.pipeline.data.windows import TokenWindows
+from lmforge.pipeline.loss import HeadLoss
+from lmforge.pipeline.parallel.distributed import DistInfo, all_reduce_sum
+from lmforge.pipeline.parallel.parallelize import Precision
 
 
 @dataclass(frozen=True)

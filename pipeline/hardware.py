@@ -9,8 +9,8 @@ import re
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ConfigError
-from pipeline.metrics import get_logger
+from lmforge.pipeline.config import ConfigError
+from lmforge.pipeline.metrics import get_logger
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Each workload: its log lines' suffix, and the flag that sets its dtype.
@@ -30,7 +30,7 @@ def gpu_dtype(requested: str, has_bf16: bool = True) -> torch.dtype:
 
 
 def _cpu_native_bf16() -> tuple[bool, str]:
-    from pipeline.cpu.machine import native_bf16  # the CPU room: only on a CPU
+    from lmforge.pipeline.cpu.machine import native_bf16  # the CPU room: only on a CPU
 
     try:
         return native_bf16()

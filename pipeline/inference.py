@@ -18,26 +18,26 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from data_prep.errors import DataError
-from data_prep.tokenizer import (
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.tokenizer import (
     HF_PREFIX,
     fits_model,
     load_tokenizer,
     read_tokenizer_meta,
     save_tokenizer_dir,
 )
-from model import GPT, ModelConfig
-from pipeline.checkpoint.format import CheckpointMeta, read_meta, resolve
-from pipeline.checkpoint.hf_init import hf_dir, load_hf_model
-from pipeline.checkpoint.safe_dcp import (
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline.checkpoint.format import CheckpointMeta, read_meta, resolve
+from lmforge.pipeline.checkpoint.hf_init import hf_dir, load_hf_model
+from lmforge.pipeline.checkpoint.safe_dcp import (
     SafeFileSystemReader,
     load_into,
     misfit,
     refusal,
     single_process_ok,
 )
-from pipeline.config import JobConfig
-from pipeline.parallel.materialize import meta_gpt
+from lmforge.pipeline.config import JobConfig
+from lmforge.pipeline.parallel.materialize import meta_gpt
 
 WEIGHTS_FILE = "model.safetensors"
 

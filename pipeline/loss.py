@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.model import cross_entropy
+from lmforge.model.model import cross_entropy
 
 HeadLoss = Callable[..., torch.Tensor]
 

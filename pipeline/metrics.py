@@ -14,8 +14,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from data_prep.safe_files import check_file, open_file
-from pipeline.checkpoint.run_dir import RunDir
+from lmforge.data_prep.safe_files import check_file, open_file
+from lmforge.pipeline.checkpoint.run_dir import RunDir
 
 LOGGER_NAME = "lmforge"
 

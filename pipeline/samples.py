@@ -6,12 +6,12 @@ from __future__ import annotations
 import tiktoken
 from torch import nn
 
-from data_prep.tokenizer import decode, encode_prompt, eot_id
-from model import GPT, ModelConfig, generate
-from pipeline.checkpoint.format import full_model_state
-from pipeline.config import ConfigError, SampleConfig
-from pipeline.parallel.distributed import DistInfo
-from pipeline.parallel.parallelize import Precision
+from lmforge.data_prep.tokenizer import decode, encode_prompt, eot_id
+from lmforge.model import GPT, ModelConfig, generate
+from lmforge.pipeline.checkpoint.format import full_model_state
+from lmforge.pipeline.config import ConfigError, SampleConfig
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.parallel.parallelize import Precision
 
 
 class Samples:

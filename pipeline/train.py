@@ -1,5 +1,5 @@
 """The trainer: `Trainer(cfg, info).fit()` trains a GPT as its config says, as one process or as
-one rank of torchrun / accelerate. Its command line is launch/train.py (`python -m launch.train`).
+one rank of torchrun / accelerate. Its command line is launch/train.py (`python -m lmforge.launch.train`).
 
 The constructor is a build chain, each step given its own config section: data -> model and
 precision -> parallelism -> optimizer -> checkpoint state (restored last when resuming). The loop
@@ -17,15 +17,15 @@ from pathlib import Path
 import tiktoken
 import torch
 
-from data_prep.shards import load_manifest
-from data_prep.tokenizer import dataset_tokenizer, token_byte_lengths
-from model import GPT, ModelConfig
-from pipeline import attention, budget
-from pipeline.checkpoint import format as ckpt
-from pipeline.checkpoint.async_writer import Checkpointer
-from pipeline.checkpoint.hf_init import start_from
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.config import (
+from lmforge.data_prep.shards import load_manifest
+from lmforge.data_prep.tokenizer import dataset_tokenizer, token_byte_lengths
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline import attention, budget
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint.async_writer import Checkpointer
+from lmforge.pipeline.checkpoint.hf_init import start_from
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.config import (
     ConfigError,
     DataConfig,
     EvalConfig,
@@ -36,16 +36,16 @@ from pipeline.config import (
     describe,
     save_resolved,
 )
-from pipeline.data.loader import TrainLoader
-from pipeline.data.mixture import ValSet, is_mixture, train_sources, val_sets
-from pipeline.downstream import Downstream, keep_tasks
-from pipeline.evaluate import evaluate
-from pipeline.hardware import dtype_name, peak_flops, to_device
-from pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
-from pipeline.optim.optimizers import apply_schedule, build_optimizer
-from pipeline.parallel.distributed import DistInfo, all_reduce_sum
-from pipeline.parallel.materialize import meta_gpt
-from pipeline.parallel.parallelize import (
+from lmforge.pipeline.data.loader import TrainLoader
+from lmforge.pipeline.data.mixture import ValSet, is_mixture, train_sources, val_sets
+from lmforge.pipeline.downstream import Downstream, keep_tasks
+from lmforge.pipeline.evaluate import evaluate
+from lmforge.pipeline.hardware import dtype_name, peak_flops, to_device
+from lmforge.pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
+from lmforge.pipeline.optim.optimizers import apply_schedule, build_optimizer
+from lmforge.pipeline.parallel.distributed import DistInfo, all_reduce_sum
+from lmforge.pipeline.parallel.materialize import meta_gpt
+from lmforge.pipeline.parallel.parallelize import (
     ParallelModel,
     Precision,
     RecompileWatch,
@@ -54,7 +54,7 @@ from pipeline.parallel.parallelize import (
     resolve_choices,
     resolve_parallel,
 )
-from pipeline.samples import Samples
+from lmforge.pipeline.samples import Samples
 
 log = get_logger()
 
@@ -435,6 +435,6 @@ class Trainer:
 if __name__ == "__main__":  # the command line lives in launch/ (pipeline never imports launch)
     import sys
 
-    print("error: pipeline.train is the trainer, not a command: run `python -m launch.train` "
-          "(torchrun/accelerate: -m launch.train) or `lmforge train`", file=sys.stderr)
+    print("error: pipeline.train is the trainer, not a command: run `python -m lmforge.launch.train` "
+          "(torchrun/accelerate: -m lmforge.launch.train) or `lmforge train`", file=sys.stderr)
     sys.exit(2)

@@ -44,8 +44,8 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
 
 
 def _train_vocab(root: Path) -> None:
-    from data_prep.sources import Source
-    from data_prep.tokenizer import mergeable_ranks, train_bpe
+    from lmforge.data_prep.sources import Source
+    from lmforge.data_prep.tokenizer import mergeable_ranks, train_bpe
 
     docs = itertools.islice((t for t in Source("builtin:pystdlib") if t), 300)
     ranks = sorted(mergeable_ranks(train_bpe(docs, VOCAB_IDS + 1)).items(), key=lambda kv: kv[1])
@@ -62,7 +62,7 @@ def vocab_tiktoken(tmp_path_factory) -> Path:
 
 
 def _prepare_tiny(root: Path) -> None:
-    from launch.prepare import main as prepare
+    from lmforge.launch.prepare import main as prepare
 
     rc = prepare([
         "--source", "builtin:pystdlib", "--tokenizer", "bpe:512", "--out", str(root / "pystdlib"),

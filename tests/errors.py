@@ -21,7 +21,7 @@ def proc_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
 
 def cli_error(capsys, argv: list[str], *needles: str) -> str:
     """The same for `lmforge ARGV` run in this process."""
-    from launch.cli import main as lmforge
+    from lmforge.launch.cli import main as lmforge
 
     rc = lmforge(argv)
     return one_error_line(rc, capsys.readouterr().err, *needles)

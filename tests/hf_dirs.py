@@ -31,7 +31,7 @@ ODD_TEXTS = [
 
 
 def corpus(n: int = 160, skip: int = 0) -> list[str]:
-    from data_prep.sources import Source
+    from lmforge.data_prep.sources import Source
 
     return list(itertools.islice(Source("builtin:pystdlib"), skip, skip + n))
 

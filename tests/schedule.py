@@ -3,8 +3,8 @@ rule set) times the schedule's multiplier."""
 
 from __future__ import annotations
 
-from pipeline.config import OptimConfig
-from pipeline.optim.optimizers import lr_multiplier
+from lmforge.pipeline.config import OptimConfig
+from lmforge.pipeline.optim.optimizers import lr_multiplier
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:

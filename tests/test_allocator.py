@@ -18,9 +18,9 @@ PAGES = SIZE // 4096
 
 SCRIPT = """
 import ctypes, resource, sys, torch
-from pipeline.config import OptimConfig
-from pipeline.cpu.allocator import set_cpu_allocator
-from pipeline.optim.optimizers import build_optimizer
+from lmforge.pipeline.config import OptimConfig
+from lmforge.pipeline.cpu.allocator import set_cpu_allocator
+from lmforge.pipeline.optim.optimizers import build_optimizer
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -20,7 +20,7 @@ from bench.runs import (
     train_cmd,
     wait_for_step,
 )
-from pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint import format as ckpt
 
 pytestmark = pytest.mark.dist
 

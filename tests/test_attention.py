@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, ModelConfig
-from pipeline import attention
-from pipeline.config import load_config
-from pipeline.cpu import attention as eager
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline import attention
+from lmforge.pipeline.config import load_config
+from lmforge.pipeline.cpu import attention as eager
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 from tests.test_train import cfg_for
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

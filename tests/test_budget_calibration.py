@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from bench.runs import run
-from pipeline import budget
-from pipeline.checkpoint import format as ckpt
-from pipeline.train import Trainer
+from lmforge.pipeline import budget
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.train import Trainer
 from tests.test_time_budget import CPU, cfg_for
 
 
@@ -72,9 +72,9 @@ def test_a_resume_before_the_calibration_times_only_steps(tiny_data, tmp_path, m
 
 def worker(out_dir: Path) -> int:
     """One rank: five 1 s steps, then hook costs that differ by rank; writes the plan's inputs."""
-    from pipeline.budget import RunLength
-    from pipeline.config import CALIBRATION_STEPS, load_config
-    from pipeline.parallel.distributed import distributed
+    from lmforge.pipeline.budget import RunLength
+    from lmforge.pipeline.config import CALIBRATION_STEPS, load_config
+    from lmforge.pipeline.parallel.distributed import distributed
 
     cfg = load_config(None, ["--log.out_dir", str(out_dir), "--optim.warmup_steps", "6",
                              "--train.max_steps", "40", "--train.time_budget_s", "100"])

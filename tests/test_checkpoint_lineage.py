@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from bench.runs import losses, metrics, run_config
-from data_prep import shards as S
-from pipeline.checkpoint import format as ckpt
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.config import JobConfig
-from pipeline.data.loader import TokenWindows
-from pipeline.inference import load_for_inference
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.data_prep import shards as S
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.config import JobConfig
+from lmforge.pipeline.data.loader import TokenWindows
+from lmforge.pipeline.inference import load_for_inference
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -81,7 +81,7 @@ def test_after_a_rollback_resume_eval_sample_export_pick_the_current_line(rolled
     assert ckpt.find_resume("auto", run_dir).name == "step_00000003"
     assert ckpt.resolve(run_dir).name == "final" and load_for_inference(run_dir).step == 3
 
-    from launch import evaluate, export, sample
+    from lmforge.launch import evaluate, export, sample
 
     out = tmp_path / "eval.json"
     with redirect_stdout(io.StringIO()):

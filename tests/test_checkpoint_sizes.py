@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from bench.runs import ROOT, TINY_ARGS, env
-from model import ModelConfig
-from pipeline.parallel.materialize import meta_gpt
+from lmforge.model import ModelConfig
+from lmforge.pipeline.parallel.materialize import meta_gpt
 from tests import test_checkpoint_trust as trust
 from tests.errors import cli_error, last_error, proc_error
 from tests.test_checkpoint_trust import (
@@ -71,7 +71,7 @@ def measured(argv: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProce
     """`lmforge ARGV` in a subprocess: (the finished process, its peak resident MB)."""
     peak = tmp_path / "peak_kb"
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER, str(peak), sys.executable, "-m",
-                           "launch.cli", *argv], cwd=ROOT, env=env(), capture_output=True,
+                           "lmforge.launch.cli", *argv], cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=300)
     return proc, int(peak.read_text()) / 1024
 
@@ -117,7 +117,7 @@ def test_a_storage_transform_is_refused_before_any_read(step, tiny_data, capsys,
     write_metadata(step, md)
     cli_error(capsys, ["eval", "--ckpt", str(step), "--data", str(tiny_data)],
               "fields lmforge never writes", field[0])
-    proc = subprocess.run([sys.executable, "-m", "launch.cli",
+    proc = subprocess.run([sys.executable, "-m", "lmforge.launch.cli",
                            *resume_argv(step.parents[1], tiny_data)],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     last_error(proc, "fields lmforge never writes")

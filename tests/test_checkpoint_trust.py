@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from bench.runs import ROOT, TINY_ARGS, env
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 from tests.errors import cli_error, last_error
 from tests.test_checkpoint_lineage import cfg_for
 
@@ -70,7 +70,7 @@ def inference_commands(ckpt_path: Path, data: Path, out: Path) -> list[list[str]
 def resume_through_cli(run_dir: Path, data: Path) -> subprocess.CompletedProcess:
     args = ["--data.path", str(data), "--log.out_dir", str(run_dir), *TINY_ARGS,
             "--train.max_steps", "4", "--checkpoint.resume", "auto"]
-    return subprocess.run([sys.executable, "-m", "launch.cli", "train", *args], cwd=ROOT, env=env(),
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -169,7 +169,7 @@ def test_a_symlink_in_the_datas_tokenizer_stops_training_before_it_starts(tiny_d
     secret = tmp_path / "secret.txt"
     secret.write_text("the user's private file")
     (data / "tokenizer" / "notes").symlink_to(secret)
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--data.path", str(data),
+    proc = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", "--data.path", str(data),
                            "--log.out_dir", str(tmp_path / "run"), *TINY_ARGS, "--train.max_steps", "2"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     last_error(proc, "tokenizer/notes is a symbolic link")
@@ -182,7 +182,7 @@ def test_a_symlink_in_the_datas_tokenizer_stops_training_before_it_starts(tiny_d
 def test_a_tiktoken_cache_never_replaces_the_verified_vocabulary(tmp_path, monkeypatch):
     """Two datasets prepared at the same relative path in two working directories: tiktoken's
     cache is keyed on the path string, so reading through it decoded the second with the first."""
-    from data_prep.tokenizer import (
+    from lmforge.data_prep.tokenizer import (
         load_tokenizer_dir,
         mergeable_ranks,
         save_tokenizer_dir,

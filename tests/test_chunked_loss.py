@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import GPT, ModelConfig
-from model.model import cross_entropy
-from pipeline.loss import (
+from lmforge.model import GPT, ModelConfig
+from lmforge.model.model import cross_entropy
+from lmforge.pipeline.loss import (
     CHUNK_ELEMS,
     FULL_LOGITS_MAX_ELEMS,
     ChunkedLoss,
@@ -275,7 +275,7 @@ def test_bf16_head_gradient_added_by_blocks_is_bitwise_the_whole_add(monkeypatch
     targets_BT = torch.randint(0, V_REAL, (2, 48), generator=torch.Generator().manual_seed(3))
     got = {}
     for elems in (2**30, 32 * 90):
-        monkeypatch.setattr("pipeline.loss.ADD_BLOCK_ELEMS", elems)
+        monkeypatch.setattr("lmforge.pipeline.loss.ADD_BLOCK_ELEMS", elems)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, got[elems] = grads_of(lambda: ChunkedLoss(16)(h_BTD, w_VD, targets_BT, V_REAL),
                                      h_BTD, w_VD, 1.0)
@@ -289,7 +289,7 @@ def test_the_loss_compiled_alone_equals_eager_without_recompiles(reduction):
     """build_loss(compile_alone=True): FSDP2's compiled loss region (the whole model compiled
     with the loss in its graph: tests/test_compile.py). Several chunks, the last one short;
     training's call and eval's (no grad) each build one graph, and a second call none."""
-    from pipeline.parallel.parallelize import compiled_graphs
+    from lmforge.pipeline.parallel.parallelize import compiled_graphs
 
     torch._dynamo.reset()
     loss_fn = torch.compile(ChunkedLoss(10), dynamic=False)
@@ -342,7 +342,7 @@ def dist_worker(out_path: str) -> None:
     compiled DDP / FSDP2 (whole model with the chunked loss in its graph / per-block units and
     the loss compiled alone); rank 0 writes the largest differences from the plain
     single-process path."""
-    from pipeline.parallel.distributed import distributed
+    from lmforge.pipeline.parallel.distributed import distributed
 
     with distributed("cpu") as info:
         out = dist_results(info)
@@ -356,7 +356,7 @@ def dist_results(info) -> dict:
 
     from torch.distributed.tensor import DTensor
 
-    from pipeline.parallel.parallelize import Precision, parallelize
+    from lmforge.pipeline.parallel.parallelize import Precision, parallelize
 
     cfg = tiny()
     idx_BT, targets_BT = batch(4, 32)

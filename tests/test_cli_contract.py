@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from launch.cli import SUBCOMMANDS
-from launch.cli import main as lmforge
-from pipeline.config import JobConfig
-from pipeline.typed_config import field_docs, field_types, keys_help, section_keys
+from lmforge.launch.cli import SUBCOMMANDS
+from lmforge.launch.cli import main as lmforge
+from lmforge.pipeline.config import JobConfig
+from lmforge.pipeline.typed_config import field_docs, field_types, keys_help, section_keys
 
 
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))

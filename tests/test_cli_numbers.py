@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch.cli import main as lmforge
+from lmforge.launch.cli import main as lmforge
 from tests.errors import one_error_line
 
 BAD_INT = ["-1", "nan", "inf", "1e99", "x", "2.5", ""]

@@ -13,13 +13,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model import GPT, ModelConfig
-from model.model import cross_entropy
-from pipeline import attention
-from pipeline.config import TrainConfig
-from pipeline.loss import FULL_LOGITS_MAX_ELEMS, ChunkedLoss
-from pipeline.parallel import parallelize as par
-from pipeline.parallel.distributed import DistInfo
+from lmforge.model import GPT, ModelConfig
+from lmforge.model.model import cross_entropy
+from lmforge.pipeline import attention
+from lmforge.pipeline.config import TrainConfig
+from lmforge.pipeline.loss import FULL_LOGITS_MAX_ELEMS, ChunkedLoss
+from lmforge.pipeline.parallel import parallelize as par
+from lmforge.pipeline.parallel.distributed import DistInfo
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from bench.runs import losses, max_diff, train
-from pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.checkpoint.run_dir import RunDir
 from tests.conftest import LAYOUT_STEPS, layout_args
 
 pytestmark = pytest.mark.dist

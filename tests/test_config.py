@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import (
+from lmforge.pipeline.config import (
     ConfigError,
     JobConfig,
     config_from_dict,

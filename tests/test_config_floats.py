@@ -10,8 +10,8 @@ import typing
 
 import pytest
 
-from launch.cli import main as lmforge
-from pipeline.config import ConfigError, JobConfig, load_config
+from lmforge.launch.cli import main as lmforge
+from lmforge.pipeline.config import ConfigError, JobConfig, load_config
 
 
 def float_keys() -> list[str]:
@@ -51,7 +51,7 @@ def test_non_finite_or_negative_float_is_one_error_line(key, value, capsys):
 @pytest.mark.parametrize("key", ["model.rope_theta", "model.norm_eps", "model.init_std"])
 def test_model_config_refuses_non_finite_directly(key, value):
     """A ModelConfig also comes from checkpoints and Hugging Face configs, not only TOML."""
-    from model import ModelConfig
+    from lmforge.model import ModelConfig
 
     with pytest.raises(ValueError, match=key.split(".")[1]):
         ModelConfig(vocab_size=10, **{key.split(".")[1]: value})

@@ -11,13 +11,13 @@ import sys
 from bench.common import ROOT
 
 PACKAGES = ("model", "data_prep", "pipeline", "launch")
-ENTRY_POINTS = ("launch.train", "pipeline.train", "launch.evaluate", "launch.sample",
-                "launch.export", "pipeline.inference")
+ENTRY_POINTS = tuple(f"lmforge.{m}" for m in ("launch.train", "pipeline.train", "launch.evaluate",
+                                                "launch.sample", "launch.export", "pipeline.inference"))
 
 
 def _module_name(path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(("lmforge", *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
 
 def module_level_imports() -> dict[str, set[str]]:
@@ -50,28 +50,29 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_no_module_on_the_training_path_imports_the_cpu_room():
     graph = module_level_imports()
-    assert "pipeline.cpu.attention" in graph and "pipeline.cpu.allocator" in graph
+    assert "lmforge.pipeline.cpu.attention" in graph and "lmforge.pipeline.cpu.allocator" in graph
     for entry in ENTRY_POINTS:
-        room = sorted(m for m in reachable(graph, entry) if m.startswith("pipeline.cpu"))
+        room = sorted(m for m in reachable(graph, entry) if m.startswith("lmforge.pipeline.cpu"))
         assert room == [], f"{entry} imports {room} at module level"
 
 
 CHOICES = """
 import sys, torch
-from model import GPT, ModelConfig
-from pipeline import attention
-from pipeline.config import OptimConfig, TrainConfig
-from pipeline.loss import build_loss
-from pipeline.optim.optimizers import build_optimizer
-from pipeline.parallel.parallelize import resolve_choices
-import launch.train, launch.evaluate, launch.sample, pipeline.train, pipeline.inference
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline import attention
+from lmforge.pipeline.config import OptimConfig, TrainConfig
+from lmforge.pipeline.loss import build_loss
+from lmforge.pipeline.optim.optimizers import build_optimizer
+from lmforge.pipeline.parallel.parallelize import resolve_choices
+import lmforge.launch.train, lmforge.launch.evaluate, lmforge.launch.sample
+import lmforge.pipeline.train, lmforge.pipeline.inference
 device, dtype = torch.device(sys.argv[1]), getattr(torch, sys.argv[2])
 t = resolve_choices(TrainConfig(), device, dtype, 256, 50304)
 attention.kernel(t.attention)
 build_loss(t.loss, device)
 model = GPT(ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, n_kv_head=2))
 build_optimizer(model, OptimConfig(name="muon"), device)
-print(t.compile, t.attention, t.loss, sorted(m for m in sys.modules if m.startswith("pipeline.cpu")))
+print(t.compile, t.attention, t.loss, sorted(m for m in sys.modules if m.startswith("lmforge.pipeline.cpu")))
 """
 
 
@@ -86,5 +87,5 @@ def test_a_cuda_runs_choices_leave_the_cpu_room_unimported():
 
 def test_a_cpu_run_takes_its_kernels_from_the_cpu_room():
     # The same script sees the room where a CPU run uses it: the check above can fail.
-    assert choices("cpu", "bfloat16") == (
-        "off eager chunked ['pipeline.cpu', 'pipeline.cpu.allocator', 'pipeline.cpu.attention']")
+    assert choices("cpu", "bfloat16") == ("off eager chunked ['lmforge.pipeline.cpu', "
+                                          "'lmforge.pipeline.cpu.allocator', 'lmforge.pipeline.cpu.attention']")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_prep.errors import DataError
-from data_prep.shards import FORMAT_VERSION, Manifest, ShardInfo, shard_name, write_shard
-from pipeline.data.loader import TokenWindows, TrainLoader
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.shards import FORMAT_VERSION, Manifest, ShardInfo, shard_name, write_shard
+from lmforge.pipeline.data.loader import TokenWindows, TrainLoader
 
 VOCAB = 100_000  # above every position, so token ids can equal positions
 SEQ = 8

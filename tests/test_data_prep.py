@@ -14,16 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import shards as S
-from data_prep.tokenizer import EOT, load_tokenizer, load_tokenizer_dir, token_byte_lengths
-from launch.prepare import main
+from lmforge.data_prep import shards as S
+from lmforge.data_prep.tokenizer import EOT, load_tokenizer, load_tokenizer_dir, token_byte_lengths
+from lmforge.launch.prepare import main
 from tests.conftest import VOCAB_IDS
 from tests.errors import proc_error
 
 ENV = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-LMFORGE = [sys.executable, "-m", "launch.cli"]
+LMFORGE = [sys.executable, "-m", "lmforge.launch.cli"]
 
 
 def run_cli(*args: str, command: str = "prepare", timeout: float = 120) -> subprocess.CompletedProcess:
@@ -90,7 +90,7 @@ def test_round_trip_trained_bpe(tmp_path):
     m = prep(tmp_path / "out", "--tokenizer", "bpe:600", "--max-docs", "60",
              "--shard-tokens", "30000", "--val-fraction", "0.1", "--bpe-sample-chars", "400000")
     assert m.vocab_size == 600 and m.eot_id == 599 and m.tokenizer["kind"] == "bpe"
-    from data_prep.sources import Source
+    from lmforge.data_prep.sources import Source
     texts = [t for t in Source("builtin:pystdlib") if t][:60]
     assert_round_trip(m, texts)
     # the saved vocabulary is self-describing: a fresh load encodes the same

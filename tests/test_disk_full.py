@@ -47,7 +47,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line(small_disk, tiny_data, back
     args = ["--data.path", str(tiny_data), "--log.out_dir", str(run), *TINY_ARGS,
             "--train.max_steps", "3", "--checkpoint.every", "1", "--checkpoint.keep", "5",
             "--eval.every", "0", "--checkpoint.async_save", background]
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", *args], cwd=ROOT,
                           env=env(), capture_output=True, text=True, timeout=300)
     last_error(proc, f"no space left on device writing {run}/checkpoints/step_00000002 (free ",
                "MB, a checkpoint needs ~", "the last complete checkpoint is step_00000001")
@@ -55,7 +55,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line(small_disk, tiny_data, back
 
 
 def lmforge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env(),
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
 
 

@@ -27,7 +27,7 @@ from bench.runs import (
     train_cmd,
     wait_for_step,
 )
-from pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint import format as ckpt
 from tests.conftest import LAYOUT_STEPS, layout_args
 
 pytestmark = pytest.mark.dist
@@ -125,7 +125,7 @@ def test_two_nodes_rendezvous_equal_one_node(runs, tiny_data, tmp_path):
     nodes = [
         start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={r}",
                "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=lmforge-test", "-m", "launch.train", *args])
+               "--rdzv-id=lmforge-test", "-m", "lmforge.launch.train", *args])
         for r in (0, 1)
     ]
     try:
@@ -162,7 +162,7 @@ def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
 
 
 def test_config_typo_is_one_line_before_any_rank_starts():
-    res = run([sys.executable, "-m", "launch.cli", "train", "--nproc", "2",
+    res = run([sys.executable, "-m", "lmforge.launch.cli", "train", "--nproc", "2",
                "--train.max_step", "3"], timeout=60)
     assert res.returncode == 2
     lines = res.stdout.strip().splitlines()

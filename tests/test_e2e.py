@@ -20,7 +20,7 @@ MAX_STEPS, EVAL_TOKENS = 10, 512  # TINY_ARGS evaluate 512 tokens every 5 steps
 
 
 def lmforge(*args: str | Path, timeout: float = 120):
-    return run([sys.executable, "-m", "launch.cli", *map(str, args)], timeout=timeout)
+    return run([sys.executable, "-m", "lmforge.launch.cli", *map(str, args)], timeout=timeout)
 
 
 def ok(res) -> str:
@@ -67,7 +67,7 @@ def test_eval_perplexity_is_exp_of_logged_val_loss(pipeline_run, final_eval):
     assert final["perplexity"] == pytest.approx(math.exp(logged_val_loss(p["run"], MAX_STEPS)), rel=1e-5)
     # The step-5 checkpoint is DCP-sharded by 2 ranks; evaluate it under torchrun with 2 ranks.
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "launch.evaluate"]
+                "-m", "lmforge.launch.evaluate"]
     mid = eval_json(p, p["run"] / "checkpoints" / "step_00000005", "mid.json", *torchrun)
     assert mid["step"] == 5 and mid["tokens"] == EVAL_TOKENS
     assert mid["perplexity"] == pytest.approx(math.exp(logged_val_loss(p["run"], 5)), rel=1e-5)
@@ -76,8 +76,8 @@ def test_eval_perplexity_is_exp_of_logged_val_loss(pipeline_run, final_eval):
 
 def test_export_gives_the_same_loss_in_transformers(pipeline_run, final_eval):
     transformers = pytest.importorskip("transformers")
-    from pipeline.data.loader import IGNORE_INDEX, TokenWindows
-    from pipeline.evaluate import eval_batches
+    from lmforge.pipeline.data.loader import IGNORE_INDEX, TokenWindows
+    from lmforge.pipeline.evaluate import eval_batches
 
     p, ours = pipeline_run, final_eval
     out = p["root"] / "hf"
@@ -108,7 +108,7 @@ def test_sample_is_reproducible_with_a_seed(pipeline_run):
 def test_resume_with_another_model_shape_is_one_line(pipeline_run, capsys):
     # In-process (the CLI's own entry point): only the message matters here. The other user
     # mistakes are covered on a random checkpoint in tests/test_eval_sample_export.py.
-    from launch.cli import main as cli
+    from lmforge.launch.cli import main as cli
 
     p = pipeline_run
     rc = cli(["train", *TINY_ARGS, "--model.d_model", "32", "--data.path", str(p["data"]),

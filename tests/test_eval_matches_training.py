@@ -11,13 +11,13 @@ import sys
 import pytest
 
 from bench.runs import TINY_ARGS, metrics, run, train
-from launch.evaluate import FSDP_BF16_REL_TOL
+from lmforge.launch.evaluate import FSDP_BF16_REL_TOL
 
 STEPS = 5  # TINY_ARGS evaluate 512 tokens every 5 steps
 
 
 def lmforge(*args):
-    res = run([sys.executable, "-m", "launch.cli", *map(str, args)], timeout=180)
+    res = run([sys.executable, "-m", "lmforge.launch.cli", *map(str, args)], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
     return res.stdout
 

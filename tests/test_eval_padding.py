@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from launch.cli import main as lmforge
-from pipeline.data.loader import IGNORE_INDEX, TokenWindows
-from pipeline.evaluate import eval_batches
+from lmforge.launch.cli import main as lmforge
+from lmforge.pipeline.data.loader import IGNORE_INDEX, TokenWindows
+from lmforge.pipeline.evaluate import eval_batches
 from tests.test_eval_sample_export import SEQ_LEN, make_checkpoint
 
 

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from data_prep.shards import open_shard
-from data_prep.tokenizer import load_tokenizer_dir
-from launch.cli import main as lmforge
-from launch.export import EXPORT_MARKER
-from launch.sample import decode_stream
-from model import GPT, ModelConfig
-from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
-from pipeline.config import config_from_dict
-from pipeline.data.loader import IGNORE_INDEX, TokenWindows
-from pipeline.evaluate import eval_batches
+from lmforge.data_prep.shards import open_shard
+from lmforge.data_prep.tokenizer import load_tokenizer_dir
+from lmforge.launch.cli import main as lmforge
+from lmforge.launch.export import EXPORT_MARKER
+from lmforge.launch.sample import decode_stream
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline.checkpoint.format import CheckpointMeta, save_consolidated
+from lmforge.pipeline.config import config_from_dict
+from lmforge.pipeline.data.loader import IGNORE_INDEX, TokenWindows
+from lmforge.pipeline.evaluate import eval_batches
 from tests.errors import cli_error
 
 SEQ_LEN = 32
@@ -103,7 +103,7 @@ def test_eval_prints_and_writes_json(ckpt, tiny_data, tmp_path, capsys):
 
 
 def test_eval_refuses_other_tokenizer(ckpt, tmp_path, capsys):
-    from launch.prepare import main as prepare
+    from lmforge.launch.prepare import main as prepare
 
     other = tmp_path / "other"
     assert prepare(["--source", "builtin:pystdlib", "--tokenizer", "bpe:300", "--out", str(other),

@@ -20,8 +20,8 @@ from bench.runs import (
     wait_for_step,
     wait_until,
 )
-from pipeline.checkpoint import format as ckpt
-from pipeline.inference import load_for_inference
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.inference import load_for_inference
 
 pytestmark = pytest.mark.dist
 
@@ -81,7 +81,7 @@ def stalled_save(state, checkpoint_id, **kw):
     if checkpoint_id.endswith("step_00000004.tmp"):
         time.sleep(600)
 dcp.save = stalled_save
-from launch.train import main
+from lmforge.launch.train import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from model import GPT, KVCache, ModelConfig, SamplingError, SamplingParams, generate, stream
-from model.generate import sample
+from lmforge.model import GPT, KVCache, ModelConfig, SamplingError, SamplingParams, generate, stream
+from lmforge.model.generate import sample
 
 VOCAB = 97
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from bench.runs import TINY_ARGS, metrics
-from launch import envinfo
-from pipeline import hardware
-from pipeline.config import ConfigError
-from pipeline.cpu import machine
-from pipeline.metrics import setup_logging
+from lmforge.launch import envinfo
+from lmforge.pipeline import hardware
+from lmforge.pipeline.config import ConfigError
+from lmforge.pipeline.cpu import machine
+from lmforge.pipeline.metrics import setup_logging
 from tests.errors import cli_error
 
 
@@ -173,8 +173,8 @@ def test_fp32_peak_follows_tf32_setting(monkeypatch):
 @pytest.mark.parametrize("kind,expected", [("native", torch.bfloat16), ("emulated", torch.float32)])
 def test_training_asks_the_peak_of_the_computed_dtype_and_has_no_cpu_mfu(
         monkeypatch, tmp_path, tiny_data, kind, expected):
-    from launch.train import main
-    from pipeline import train
+    from lmforge.launch.train import main
+    from lmforge.pipeline import train
 
     force(monkeypatch, kind)
     asked = []
@@ -243,6 +243,6 @@ def test_env_with_a_bad_forcing_value_is_one_error_line(monkeypatch, capsys):
 
 
 def test_env_is_a_registered_subcommand():
-    from launch.cli import SUBCOMMANDS
+    from lmforge.launch.cli import SUBCOMMANDS
 
-    assert SUBCOMMANDS["env"][:2] == ("launch.envinfo", "main")
+    assert SUBCOMMANDS["env"][:2] == ("lmforge.launch.envinfo", "main")

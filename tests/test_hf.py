@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import GPT, ModelConfig
-from model.hf import export_hf, hf_config_dict
-from pipeline.checkpoint.hf_init import load_hf_model
-from pipeline.errors import CheckpointError
+from lmforge.model import GPT, ModelConfig
+from lmforge.model.hf import export_hf, hf_config_dict
+from lmforge.pipeline.checkpoint.hf_init import load_hf_model
+from lmforge.pipeline.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
@@ -199,10 +199,10 @@ def greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
 def long_rope_export(tiny_data, tmp_path_factory):
     """`lmforge export` of a GPT with rope_theta = 500000 on the tiny dataset's tokenizer, and
     the inputs/outputs the transformers side must reproduce."""
-    from data_prep.tokenizer import eot_id, load_tokenizer_dir
-    from launch.cli import main as lmforge
-    from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
-    from pipeline.config import JobConfig
+    from lmforge.data_prep.tokenizer import eot_id, load_tokenizer_dir
+    from lmforge.launch.cli import main as lmforge
+    from lmforge.pipeline.checkpoint.format import CheckpointMeta, save_consolidated
+    from lmforge.pipeline.config import JobConfig
 
     enc = load_tokenizer_dir(tiny_data / "tokenizer")
     cfg = ModelConfig(vocab_size=enc.n_vocab, n_layer=2, n_head=4, n_kv_head=2, d_model=64,

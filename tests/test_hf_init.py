@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from bench.runs import env, losses, max_diff, train
-from data_prep.tokenizer import load_tokenizer
-from pipeline.checkpoint.hf_init import load_hf_model
-from pipeline.config import load_config
-from pipeline.data.windows import TokenWindows
-from pipeline.errors import CheckpointError
-from pipeline.inference import load_for_inference
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.data_prep.tokenizer import load_tokenizer
+from lmforge.pipeline.checkpoint.hf_init import load_hf_model
+from lmforge.pipeline.config import load_config
+from lmforge.pipeline.data.windows import TokenWindows
+from lmforge.pipeline.errors import CheckpointError
+from lmforge.pipeline.inference import load_for_inference
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 from tests.conftest import ROOT, built_once
 from tests.hf_dirs import hf_encode, make_model, make_tokenizer, run_args
 
@@ -58,7 +58,7 @@ def hf_root(tmp_path_factory):
 
 
 def lmforge(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env(),
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

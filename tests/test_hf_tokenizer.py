@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from data_prep.shards import load_manifest, open_shard, read_doc_index
-from data_prep.sources import Source
-from data_prep.tokenizer import bos_id, eot_id, load_tokenizer, load_tokenizer_dir
+from lmforge.data_prep.shards import load_manifest, open_shard, read_doc_index
+from lmforge.data_prep.sources import Source
+from lmforge.data_prep.tokenizer import bos_id, eot_id, load_tokenizer, load_tokenizer_dir
 from tests.conftest import ROOT, built_once
 from tests.hf_dirs import BOS, EOS, ODD_TEXTS, corpus, hf_encode, make_tokenizer
 
@@ -43,7 +43,7 @@ def test_encoding_matches_tokenizers(hf_tokenizers, style):
 
 
 def prepare(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", "prepare", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "prepare", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 

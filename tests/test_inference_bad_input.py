@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from launch.cli import main as lmforge
+from lmforge.launch.cli import main as lmforge
 from tests.errors import cli_error
 from tests.test_eval_sample_export import make_checkpoint
 
@@ -84,7 +84,7 @@ def test_a_meta_json_far_larger_than_its_weights_is_refused_unallocated(ckpt, ca
 
 
 def test_a_tokenizer_that_is_not_the_models_is_refused(ckpt, tmp_path, capsys):
-    from data_prep.tokenizer import save_tokenizer_dir, train_bpe
+    from lmforge.data_prep.tokenizer import save_tokenizer_dir, train_bpe
 
     shutil.rmtree(ckpt / "tokenizer")
     save_tokenizer_dir(train_bpe(["some other text " * 50], 300), ckpt / "tokenizer", "bpe", "x")

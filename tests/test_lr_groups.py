@@ -13,9 +13,9 @@ import torch
 
 from bench.common import ROOT
 from bench.runs import env, losses, run_args, train, train_cmd
-from model import GPT, ModelConfig
-from pipeline.config import OptimConfig, load_config
-from pipeline.optim.optimizers import apply_schedule, build_optimizer, lr_multiplier
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline.config import OptimConfig, load_config
+from lmforge.pipeline.optim.optimizers import apply_schedule, build_optimizer, lr_multiplier
 from tests.errors import cli_error, last_error
 
 # The width rule as README "Learning rates" and OptimConfig.lr_ref_width document it: a group's lr
@@ -115,11 +115,11 @@ def test_an_old_format_run_is_refused_for_resume_in_one_line_but_still_evaluates
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     # eval reads it, its lrs in today's keys
     out = tmp_path / "eval.json"
-    ev = subprocess.run([*train_cmd([], module="launch.cli"), "eval", "--ckpt", str(step2),
+    ev = subprocess.run([*train_cmd([], module="lmforge.launch.cli"), "eval", "--ckpt", str(step2),
                          "--data", str(tiny_data), "--json", str(out)],
                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert ev.returncode == 0 and json.loads(out.read_text())["loss"] > 0, ev.stderr[-3000:]
-    from pipeline.checkpoint.format import read_meta
+    from lmforge.pipeline.checkpoint.format import read_meta
 
     o = read_meta(step2).config.optim
     assert (o.lr, o.embed_lr, o.head_lr, o.scalar_lr) == (0.02, 3e-3, 0.0, 3e-3)

@@ -128,8 +128,8 @@ def test_the_reported_lr_is_the_one_the_run_trains_with_whatever_tiny_toml_says(
     """A run's lr_ref_width is the sweep's (tiny.toml's once scaled runs labelled unscaled): the
     lr a run's command gives the trainer, resolved as the trainer resolves it, is the lr curves()
     reports for it."""
-    from pipeline.config import load_config
-    from pipeline.optim.lrs import peak_lrs
+    from lmforge.pipeline.config import load_config
+    from lmforge.pipeline.optim.lrs import peak_lrs
 
     args = sweep_args(tmp_path)
     args.untied, args.coords, args.rule = True, ["head"], rule
@@ -147,7 +147,7 @@ def test_the_reported_lr_is_the_one_the_run_trains_with_whatever_tiny_toml_says(
 def test_a_batch_sweep_trains_the_tokens_asked_and_names_its_runs_apart(tmp_path):
     """--batch 4: each run takes 4x tiny.toml's tokens a step, for a quarter of its steps (the
     same tokens) or for --steps; the warmup stays 10 % of the steps; each shape has names of its own."""
-    from pipeline.config import load_config
+    from lmforge.pipeline.config import load_config
 
     tiny = load_config(lr_sweep.ROOT / "configs" / "tiny.toml", [])
     args = sweep_args(tmp_path)

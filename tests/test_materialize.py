@@ -9,10 +9,10 @@ import sys
 import torch
 
 from bench.runs import ROOT, run
-from model import ModelConfig
-from pipeline.parallel.distributed import DistInfo, distributed
-from pipeline.parallel.materialize import meta_gpt
-from pipeline.parallel.parallelize import Precision, parallelize
+from lmforge.model import ModelConfig
+from lmforge.pipeline.parallel.distributed import DistInfo, distributed
+from lmforge.pipeline.parallel.materialize import meta_gpt
+from lmforge.pipeline.parallel.parallelize import Precision, parallelize
 
 CFG = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=96, max_seq_len=64)
 SEED = 1234
@@ -41,7 +41,7 @@ def test_fsdp_two_ranks_start_from_one_process_weights(tmp_path):
 
 
 def _write_shards(info: DistInfo, out: str) -> None:
-    from pipeline.checkpoint.format import full_model_state
+    from lmforge.pipeline.checkpoint.format import full_model_state
 
     model = build("fsdp", info)
     assert model.lm_head.weight is model.tok_emb.weight

@@ -7,7 +7,7 @@ import textwrap
 
 import torch
 
-from pipeline.metrics import MetricsLogger, Progress, plot_losses, setup_logging
+from lmforge.pipeline.metrics import MetricsLogger, Progress, plot_losses, setup_logging
 
 
 def test_jsonl_written_by_rank_0_only(tmp_path):
@@ -29,7 +29,7 @@ def test_wandb_enabled_never_breaks_or_hangs(tmp_path):
     JSONL. Each in a subprocess under a timeout, since wandb starts a service process."""
     script = textwrap.dedent(f"""
         import sys
-        from pipeline.metrics import MetricsLogger, setup_logging
+        from lmforge.pipeline.metrics import MetricsLogger, setup_logging
         setup_logging(0, None)
         run_dir = {str(tmp_path)!r} + "/" + sys.argv[1]
         m = MetricsLogger(run_dir, {{"lr": 1}}, sys.argv[1], "lmforge-test", "t", is_main=True)

@@ -23,7 +23,7 @@ from bench.runs import (
     wait_for_step,
     wait_until,
 )
-from data_prep.shards import (
+from lmforge.data_prep.shards import (
     FORMAT_VERSION,
     Manifest,
     ShardInfo,
@@ -32,9 +32,9 @@ from data_prep.shards import (
     shard_name,
     write_shard,
 )
-from pipeline.checkpoint import format as ckpt
-from pipeline.data.loader import Phase, Source, TokenWindows, TrainLoader
-from pipeline.data.rows import StreamRows
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.data.loader import Phase, Source, TokenWindows, TrainLoader
+from lmforge.pipeline.data.rows import StreamRows
 from tests.test_data_loader import SEQ, VOCAB, make_data
 
 
@@ -85,7 +85,7 @@ def test_rows_depend_only_on_the_global_batch_and_resume_anywhere(tmp_path):
 
 
 def test_checkpoint_of_another_mixture_is_refused(tmp_path):
-    from data_prep.errors import DataError
+    from lmforge.data_prep.errors import DataError
 
     srcs = sources(tmp_path)
     _, state = step_rows(srcs[:1], None, 2, 1, 1)
@@ -181,7 +181,7 @@ def test_dry_run_prints_the_mixture(tiny_data, tmp_path):
     from bench.runs import ROOT, env
 
     small = small_source(tiny_data, tmp_path / "small")
-    out = subprocess.run([sys.executable, "-m", "launch.train", "--dry-run",
+    out = subprocess.run([sys.executable, "-m", "lmforge.launch.train", "--dry-run",
                           *mixture_args(tiny_data, small, tmp_path / "run"), "--data.align", "doc"],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, ModelConfig
+from lmforge.model import GPT, ModelConfig
 
 
 def tiny(**kw) -> ModelConfig:

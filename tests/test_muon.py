@@ -14,11 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from bench.runs import losses, max_diff, run_args, train
-from model import GPT
-from pipeline.checkpoint import format as ckpt
-from pipeline.checkpoint.safe_dcp import SafeFileSystemReader, single_process_ok
-from pipeline.optim.optimizers import build_optimizer
-from pipeline.parallel.distributed import DistInfo
+from lmforge.model import GPT
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint.safe_dcp import SafeFileSystemReader, single_process_ok
+from lmforge.pipeline.optim.optimizers import build_optimizer
+from lmforge.pipeline.parallel.distributed import DistInfo
 
 pytestmark = pytest.mark.dist
 

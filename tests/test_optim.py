@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from bench.runs import TINY_ARGS, losses
-from model import GPT, ModelConfig
-from pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
-from pipeline.optim.optimizers import (
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
+from lmforge.pipeline.optim.optimizers import (
     Muon,
     Optimizers,
     apply_schedule,
@@ -21,8 +21,8 @@ from pipeline.optim.optimizers import (
     lr_multiplier,
     muon_momentum_at,
 )
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 from tests.schedule import lr_at
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from bench.runs import ROOT, run
-from model import GPT, ModelConfig
-from pipeline.loss import CHUNK_ELEMS, ChunkedLoss
-from pipeline.parallel.materialize import meta_gpt
-from pipeline.parallel.plan import activation_bytes, head_loss_bytes, planned_loss, state_bytes
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline.loss import CHUNK_ELEMS, ChunkedLoss
+from lmforge.pipeline.parallel.materialize import meta_gpt
+from lmforge.pipeline.parallel.plan import activation_bytes, head_loss_bytes, planned_loss, state_bytes
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
 
@@ -53,8 +53,8 @@ def test_state_bytes_equal_a_real_single_process_run():
 
 def test_muon_state_bytes_equal_a_real_run():
     """optim.name = "muon": one momentum per block matrix, AdamW's two moments + step elsewhere."""
-    from pipeline.config import OptimConfig
-    from pipeline.optim.optimizers import build_optimizer, is_muon_matrix
+    from lmforge.pipeline.config import OptimConfig
+    from lmforge.pipeline.optim.optimizers import build_optimizer, is_muon_matrix
 
     torch.manual_seed(0)
     model = GPT(SMALL)
@@ -115,7 +115,7 @@ def test_activation_estimate_within_25_percent(options, bf16):
 def test_head_loss_bytes_follow_the_loss_a_gpu_run_resolves():
     """full: the logits in the compute dtype, their fp32 copy and log-probabilities; chunked: two
     fp32 chunk x V buffers (chunks within CUDA's CHUNK_ELEMS) and the head's fp32 gradient."""
-    from pipeline.config import DataConfig, JobConfig, TrainConfig
+    from lmforge.pipeline.config import DataConfig, JobConfig, TrainConfig
 
     model = meta_gpt(SMALL)
     V, D = SMALL.padded_vocab_size, SMALL.d_model
@@ -133,14 +133,14 @@ def test_head_loss_bytes_follow_the_loss_a_gpu_run_resolves():
 
 
 def test_dry_run_plans_without_starting_anything():
-    res = run([sys.executable, "-m", "launch.cli", "train", "--nproc", "8", "--nnodes", "4",
+    res = run([sys.executable, "-m", "lmforge.launch.cli", "train", "--nproc", "8", "--nnodes", "4",
                "--config", "configs/llama_350m.toml", "--dry-run", "--gpu", "H100",
                "--train.micro_batch_size", "8"], timeout=120)
     assert res.returncode == 0, res.stdout[-3000:]
     assert "4 node(s) x 8 H100 SXM = 32 GPUs" in res.stdout
     assert "FSDP2" in res.stdout and "s/step" in res.stdout
     assert "LM-head loss (full)" in res.stdout  # train.loss = auto, resolved for the GPUs
-    bad = run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/tiny.toml",
+    bad = run([sys.executable, "-m", "lmforge.launch.cli", "train", "--config", "configs/tiny.toml",
                "--dry-run", "--gpu", "Z80"], timeout=120)
     assert bad.returncode == 2 and "error: --gpu: unknown GPU 'Z80'" in bad.stdout
 
@@ -148,9 +148,9 @@ def test_dry_run_plans_without_starting_anything():
 def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
     """FSDP2 + Muon: each matrix Muon owns is gathered whole (fp32) and scattered back per step;
     nothing extra for AdamW, DDP (every rank has whole matrices) or one process."""
-    from pipeline.config import JobConfig, OptimConfig
-    from pipeline.optim.optimizers import build_optimizer
-    from pipeline.parallel.plan import strategies
+    from lmforge.pipeline.config import JobConfig, OptimConfig
+    from lmforge.pipeline.optim.optimizers import build_optimizer
+    from lmforge.pipeline.parallel.plan import strategies
 
     cfg = JobConfig(optim=OptimConfig(name="muon"))
     model = meta_gpt(SMALL)
@@ -166,7 +166,7 @@ def test_fsdp_muon_traffic_is_every_muon_matrix_there_and_back():
 def _fsdp_probe() -> None:
     """Under torchrun: shard SMALL with FSDP2 on gloo, one AdamW step, print this rank's bytes
     (inside the pipeline's process-group lifetime, which frees the model before the group)."""
-    from pipeline.parallel.distributed import distributed
+    from lmforge.pipeline.parallel.distributed import distributed
 
     with distributed("cpu") as info:
         _print_rank_bytes(info.rank)

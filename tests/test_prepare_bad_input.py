@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import shards as S
-from launch.cli import main as lmforge
+from lmforge.data_prep import shards as S
+from lmforge.launch.cli import main as lmforge
 from tests.errors import cli_error
 
-ENV_CMD = [sys.executable, "-m", "launch.cli"]
+ENV_CMD = [sys.executable, "-m", "lmforge.launch.cli"]
 
 
 def byte_vocab(path: Path, extra: dict[bytes, int] | None = None) -> Path:

@@ -26,7 +26,7 @@ def worker(mode: str, out_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from pipeline.parallel.distributed import distributed
+    from lmforge.pipeline.parallel.distributed import distributed
 
     record: dict = {}
     try:

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, ModelConfig, generate
-from model.model import cross_entropy
-from pipeline.config import OptimConfig
-from pipeline.optim.optimizers import build_optimizer, is_muon_matrix
+from lmforge.model import GPT, ModelConfig, generate
+from lmforge.model.model import cross_entropy
+from lmforge.pipeline.config import OptimConfig
+from lmforge.pipeline.optim.optimizers import build_optimizer, is_muon_matrix
 from tests.test_generate import PROMPTS, greedy, greedy_reference, one_thread  # noqa: F401
 
 VOCAB = 97

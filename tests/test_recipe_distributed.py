@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from bench.runs import losses, max_diff, train
-from model.model import RECIPE_OPTIONS
+from lmforge.model.model import RECIPE_OPTIONS
 from tests.conftest import layout_args
 from tests.test_distributed import resume_copy
 

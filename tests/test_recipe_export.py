@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from launch.cli import main as lmforge
-from model import GPT, ModelConfig
-from model.hf import export_hf, hf_config_dict
-from pipeline.checkpoint.format import CheckpointMeta, save_consolidated
-from pipeline.checkpoint.hf_init import load_hf_model
-from pipeline.config import config_from_dict
+from lmforge.launch.cli import main as lmforge
+from lmforge.model import GPT, ModelConfig
+from lmforge.model.hf import export_hf, hf_config_dict
+from lmforge.pipeline.checkpoint.format import CheckpointMeta, save_consolidated
+from lmforge.pipeline.checkpoint.hf_init import load_hf_model
+from lmforge.pipeline.config import config_from_dict
 from tests.errors import cli_error
 from tests.test_hf import TOL, VOCAB, with_large_weights
 

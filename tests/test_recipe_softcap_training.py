@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from bench.runs import metrics, run_args, train
-from launch.cli import main as lmforge
-from model.model import cross_entropy
-from pipeline.data.loader import TokenWindows
-from pipeline.evaluate import eval_batches
-from pipeline.inference import load_for_inference
-from pipeline.loss import ChunkedLoss
+from lmforge.launch.cli import main as lmforge
+from lmforge.model.model import cross_entropy
+from lmforge.pipeline.data.loader import TokenWindows
+from lmforge.pipeline.evaluate import eval_batches
+from lmforge.pipeline.inference import load_for_inference
+from lmforge.pipeline.loss import ChunkedLoss
 
 CAP = 4.0
 EVAL_TOKENS = 512  # bench.runs.TINY_ARGS' eval.tokens

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from bench.runs import ROOT, TINY_ARGS, env
-from pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.checkpoint.run_dir import RunDir
 from tests.errors import last_error
 
 
 def lmforge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env(),
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
 
 

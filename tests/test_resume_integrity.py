@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from bench.runs import losses, run, run_args, train
-from pipeline import train as train_module
-from pipeline.checkpoint import format as ckpt
-from pipeline.config import load_config
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.pipeline import train as train_module
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.config import load_config
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -28,7 +28,7 @@ def test_a_torn_last_metrics_line_is_dropped_and_logged(tiny_data, tmp_path):
     # A crash mid-write: half a record, cut inside a multi-byte character, no newline.
     with open(run_dir / "metrics.jsonl", "ab") as f:
         f.write('{"step": 5, "loss": 3.1, "samples": ["caf\u00e9'.encode()[:-1])
-    res = run([sys.executable, "-m", "launch.cli", "train",
+    res = run([sys.executable, "-m", "lmforge.launch.cli", "train",
                *args_for(tiny_data, run_dir, "--train.max_steps", "6", "--resume", "auto")])
     assert res.returncode == 0, res.stdout[-3000:]
     assert "dropped 1 torn line(s) (line " in res.stdout

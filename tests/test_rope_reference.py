@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, ModelConfig
-from model.model import apply_rope, rope_tables
+from lmforge.model import GPT, ModelConfig
+from lmforge.model.model import apply_rope, rope_tables
 
 CFG = ModelConfig(vocab_size=97, n_layer=1, n_head=4, n_kv_head=2, d_model=64, max_seq_len=48,
                   rope_theta=1000.0)

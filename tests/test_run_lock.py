@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 
 from bench.runs import children, kill_group, run, run_args, start, wait_for_step
-from pipeline.checkpoint import format as ckpt
-from pipeline.checkpoint import lock as lock_module
-from pipeline.checkpoint.lock import check_unlocked, run_lock
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.config import ConfigError
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint import lock as lock_module
+from lmforge.pipeline.checkpoint.lock import check_unlocked, run_lock
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.config import ConfigError
 from tests.errors import proc_error
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
 
 
 def lmforge_train(*args) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", "train", *map(str, args)]
+    return [sys.executable, "-m", "lmforge.launch.cli", "train", *map(str, args)]
 
 
 def alive(pid: int) -> bool:

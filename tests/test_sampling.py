@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from bench.runs import TINY_ARGS, metrics, run, run_config
-from data_prep.tokenizer import encode_prompt, load_tokenizer_dir
-from launch.cli import main as lmforge
-from model import SamplingParams
-from model.generate import MIN_TEMPERATURE, sample
-from pipeline.config import ConfigError, load_config
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.data_prep.tokenizer import encode_prompt, load_tokenizer_dir
+from lmforge.launch.cli import main as lmforge
+from lmforge.model import SamplingParams
+from lmforge.model.generate import MIN_TEMPERATURE, sample
+from lmforge.pipeline.config import ConfigError, load_config
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 from tests.test_eval_sample_export import make_checkpoint
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -129,7 +129,7 @@ def test_prompt_too_long_for_the_model_fails_before_step_1(tiny_data, tmp_path):
     (before the final checkpoint); now `lmforge train` refuses it up front in one line."""
     run_dir = tmp_path / "r"
     prompts = json.dumps(["def ", prompt_of(tiny_data, 128)])  # TINY_ARGS: max_seq_len 128
-    res = run([sys.executable, "-m", "launch.cli", "train", "--data.path", str(tiny_data),
+    res = run([sys.executable, "-m", "lmforge.launch.cli", "train", "--data.path", str(tiny_data),
                "--log.out_dir", str(run_dir), *TINY_ARGS, "--train.max_steps", "3",
                "--sample.prompts", prompts], timeout=180)
     assert res.returncode == 2, res.stdout[-3000:]

@@ -18,10 +18,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # package -> modules it must never import (a prefix forbids its submodules too).
 FORBIDDEN = {
-    "model": ("launch", "pipeline", "data_prep", "torch.distributed", "logging"),
-    "data_prep": ("launch", "pipeline"),
-    "pipeline": ("launch",),
+    "model": ("lmforge.launch", "lmforge.pipeline", "lmforge.data_prep", "torch.distributed",
+              "logging"),
+    "data_prep": ("lmforge.launch", "lmforge.pipeline"),
+    "pipeline": ("lmforge.launch",),
 }
+# The product's folders are installed as lmforge.<folder> (pyproject.toml's package-dir), so a
+# user's own model.py or pipeline.py can never shadow them.
+PRODUCT = ("model", "data_prep", "pipeline", "launch")
+
+
+def dotted(path: Path) -> str:
+    """The import name of a file of the tree: lmforge.pipeline.train for pipeline/train.py."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("lmforge", *parts) if parts[0] in PRODUCT else parts)
 
 
 def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
@@ -48,7 +59,7 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
 
 
 def violations(source: str, module: str) -> list[str]:
-    banned = FORBIDDEN[module.split(".")[0]]
+    banned = FORBIDDEN[module.split(".")[1]]
     return [f"{module}:{line} imports {name}" for line, name in imported_modules(source, module)
             if any(name == b or name.startswith(b + ".") for b in banned)]
 
@@ -59,29 +70,28 @@ def test_libraries_never_import_the_layers_above_them():
         files = sorted((ROOT / package).rglob("*.py"))
         assert files, f"no sources found under {ROOT / package}"
         for path in files:
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            problems += violations(path.read_text(encoding="utf-8"), module)
+            problems += violations(path.read_text(encoding="utf-8"), dotted(path))
     assert not problems, "layering broken:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("module, source", [
-    ("pipeline.train", "if __name__ == '__main__':\n    from launch.cli import run_user_command\n"),
-    ("pipeline.x", "def f():\n    import launch.train\n"),
-    ("pipeline.x", "from .. import launch\n"),
-    ("pipeline.x", "import importlib\nimportlib.import_module('launch.cli')\n"),
-    ("model.model", "import torch.distributed as dist\n"),
-    ("model.model", "from pipeline import checkpoint\n"),
-    ("model.model", "import logging\n"),
-    ("data_prep.shards", "from pipeline.config import ConfigError\n"),
+    ("lmforge.pipeline.train", "if __name__ == '__main__':\n    from lmforge.launch.cli import run_user_command\n"),
+    ("lmforge.pipeline.x", "def f():\n    import lmforge.launch.train\n"),
+    ("lmforge.pipeline.x", "from .. import launch\n"),
+    ("lmforge.pipeline.x", "import importlib\nimportlib.import_module('lmforge.launch.cli')\n"),
+    ("lmforge.model.model", "import torch.distributed as dist\n"),
+    ("lmforge.model.model", "from lmforge.pipeline import checkpoint\n"),
+    ("lmforge.model.model", "import logging\n"),
+    ("lmforge.data_prep.shards", "from lmforge.pipeline.config import ConfigError\n"),
 ])
 def test_the_check_sees_every_form_of_import(module, source):
     assert violations(source, module), source
 
 
 def test_allowed_imports_pass():
-    source = "import torch\nfrom torch import nn\nfrom model.model import GPT\nfrom . import generate\n"
-    assert not violations(source, "model.hf")
-    assert not violations("from data_prep.shards import load_manifest\n", "pipeline.data.loader")
+    source = "import torch\nfrom torch import nn\nfrom lmforge.model.model import GPT\nfrom . import generate\n"
+    assert not violations(source, "lmforge.model.hf")
+    assert not violations("from lmforge.data_prep.shards import load_manifest\n", "lmforge.pipeline.data.loader")
 
 
 # ---- model/ is a model: no private torch op; pipeline/ never sets attributes on it -----------
@@ -180,8 +190,8 @@ class _SyncRecorder(nn.Module):
     ("none", []),
 ])
 def test_micro_step_is_scoped_and_restores_syncing_even_on_error(mode, skipped):
-    from model.model import cross_entropy
-    from pipeline.parallel.parallelize import ParallelModel, Precision
+    from lmforge.model.model import cross_entropy
+    from lmforge.pipeline.parallel.parallelize import ParallelModel, Precision
 
     pm = ParallelModel(_SyncRecorder(), mode, Precision(torch.float32, torch.device("cpu")),
                        cross_entropy)
@@ -196,7 +206,7 @@ def test_micro_step_is_scoped_and_restores_syncing_even_on_error(mode, skipped):
 
 @pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, True), (torch.float32, False)])
 def test_precision_autocasts_a_plain_module_exactly_when_computing_in_bf16(dtype, autocast):
-    from pipeline.parallel.parallelize import Precision
+    from lmforge.pipeline.parallel.parallelize import Precision
 
     with Precision(dtype, torch.device("cpu")).autocast(nn.Linear(2, 2)):
         assert torch.is_autocast_enabled("cpu") is autocast
@@ -214,8 +224,7 @@ def project_modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            found[dotted(path)] = path
     return found
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bench.runs import TINY_ARGS, losses, metrics, train
-from pipeline import budget
-from pipeline.config import ConfigError, load_config
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.pipeline import budget
+from lmforge.pipeline.config import ConfigError, load_config
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 from tests.schedule import lr_at
 from tests.test_mixture import small_source
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from bench.runs import TINY_ARGS, losses, metrics, run
-from pipeline.checkpoint import format as ckpt
-from pipeline.config import OptimConfig, load_config
-from pipeline.inference import load_for_inference
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer, TrainingStopped
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.config import OptimConfig, load_config
+from lmforge.pipeline.inference import load_for_inference
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer, TrainingStopped
 from tests.schedule import lr_at
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -78,7 +78,7 @@ def test_existing_run_is_never_overwritten(tiny_data, tmp_path):
     run_dir = tmp_path / "r"
     Trainer(cfg_for(tiny_data, run_dir, "--train.max_steps", "4"), CPU).fit()
     before = (run_dir / "metrics.jsonl").read_text()
-    res = run([sys.executable, "-m", "launch.train", "--data.path", str(tiny_data),
+    res = run([sys.executable, "-m", "lmforge.launch.train", "--data.path", str(tiny_data),
                "--log.out_dir", str(run_dir), *TINY_ARGS, "--train.max_steps", "4"], timeout=120)
     assert res.returncode == 2 and res.stdout.strip().startswith("error: ")
     assert "--resume auto" in res.stdout and "Traceback" not in res.stdout
@@ -116,7 +116,7 @@ def test_checkpoint_errors_are_clear(tmp_path):
 
 
 def test_dry_run_prints_resolved_config(tmp_path):
-    res = run([sys.executable, "-m", "launch.train", "--config", "configs/tiny.toml",
+    res = run([sys.executable, "-m", "lmforge.launch.train", "--config", "configs/tiny.toml",
                "--dry-run", "--train.max_steps", "7"], timeout=60)
     assert res.returncode == 0, res.stdout
     assert "max_steps = 7" in res.stdout and "accumulation" in res.stdout.lower()
@@ -133,8 +133,8 @@ def test_auto_compile_on_cpu_is_off_and_recorded(tiny_data, tmp_path):
 def test_corrupted_shard_is_caught_by_the_training_loader(tiny_data, tmp_path):
     import shutil
 
-    from data_prep.errors import DataError
-    from data_prep.shards import HEADER_BYTES
+    from lmforge.data_prep.errors import DataError
+    from lmforge.data_prep.shards import HEADER_BYTES
 
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)

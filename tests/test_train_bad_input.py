@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from bench.runs import run, run_args, train_cmd
-from data_prep.errors import DataError
-from data_prep.tokenizer import dataset_tokenizer, save_tokenizer_dir, train_bpe
-from pipeline.checkpoint import format as ckpt
-from pipeline.checkpoint.lock import run_lock
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.config import ConfigError, derive, describe, load_config
-from pipeline.metrics import trim_metrics
-from pipeline.optim.optimizers import lr_multiplier
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.tokenizer import dataset_tokenizer, save_tokenizer_dir, train_bpe
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint.lock import run_lock
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.config import ConfigError, derive, describe, load_config
+from lmforge.pipeline.metrics import trim_metrics
+from lmforge.pipeline.optim.optimizers import lr_multiplier
 from tests.errors import cli_error
 
 
@@ -101,7 +101,7 @@ def test_a_mistake_under_nproc_2_is_one_error_line(tiny_data, tmp_path, mistake)
     """Found inside the ranks (not by the launcher's own checks): the launcher prints the line
     once, not each rank's under torchrun's ChildFailedError traceback."""
     args = run_args(tiny_data, tmp_path / "run", *mistake)
-    res = run([sys.executable, "-m", "launch.cli", "train", "--nproc", "2", *args], timeout=300)
+    res = run([sys.executable, "-m", "lmforge.launch.cli", "train", "--nproc", "2", *args], timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("error: ")]
     assert res.returncode == 2 and "Traceback" not in res.stdout, res.stdout[-3000:]
     assert len(lines) == 1 and mistake[0].lstrip("-") in lines[0], res.stdout[-3000:]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench.runs import ROOT, TINY_ARGS, env
-from data_prep import shards as S
+from lmforge.data_prep import shards as S
 from tests.errors import last_error, one_error_line, proc_error
 from tests.test_disk_full import tmpfs
 from tests.test_eval_sample_export import make_checkpoint
@@ -30,7 +30,7 @@ TIMEOUT = 60  # a FIFO read blocks forever, /dev/zero never ends: each command i
 
 
 def lmforge(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env(),
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -179,7 +179,7 @@ def test_a_tokenizer_rank_beyond_the_manifest_is_refused_before_any_allocation(d
 def test_train_refuses_a_tokenizer_rank_beyond_the_manifest(dataset, tmp_path):
     data = copy(dataset, tmp_path / "data")
     craft_rank(data, 2**32 - 2)
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--data.path", str(data),
+    proc = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", "--data.path", str(data),
                            "--log.out_dir", str(tmp_path / "run"), *TINY_ARGS,
                            "--data.seq_len", "8", "--train.max_steps", "1"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
@@ -197,7 +197,7 @@ def test_prepare_refuses_a_tiktoken_file_with_a_rank_beyond_its_tokens(tmp_path)
 
 def test_sample_decodes_ids_without_bytes_as_replacement_characters(holed, capsys):
     """#9: a random model draws unused ids (44 of 311) often; each prints as U+FFFD."""
-    from launch.cli import main
+    from lmforge.launch.cli import main
 
     _, ckpt = holed
     rc = main(["sample", "--ckpt", str(ckpt), "--prompt", "the ", "--max-new-tokens", "40",
@@ -249,7 +249,7 @@ def test_a_manifest_stat_of_the_wrong_type_is_one_line(dataset, tmp_path, stats)
 def test_eval_takes_data_whose_manifest_predates_the_tokenizer_sha256(holed, tmp_path, capsys):
     """Older data without the tokenizer's sha256 in its manifest is read, as training reads it:
     its tokenizer/ directory is then the one compared with the checkpoint's."""
-    from launch.cli import main
+    from lmforge.launch.cli import main
 
     data, ckpt = holed
     data = copy(data, tmp_path / "data")
@@ -258,7 +258,7 @@ def test_eval_takes_data_whose_manifest_predates_the_tokenizer_sha256(holed, tmp
     assert "perplexity" in capsys.readouterr().out
     other = byte_vocab(tmp_path / "b.tiktoken")  # another vocabulary in its tokenizer/ is refused
     shutil.rmtree(data / "tokenizer")
-    from data_prep.tokenizer import load_tokenizer, save_tokenizer_dir
+    from lmforge.data_prep.tokenizer import load_tokenizer, save_tokenizer_dir
     save_tokenizer_dir(load_tokenizer(str(other)), data / "tokenizer", "file", "b")
     rc = main(["eval", "--ckpt", str(ckpt), "--data", str(data)])
     one_error_line(rc, capsys.readouterr().err, "tokenizer")
@@ -358,7 +358,7 @@ def test_eval_json_on_a_full_disk_is_one_line_and_leaves_nothing(holed, full):
 
 @pytest.mark.parametrize("kind", ["hard link", "symbolic link"])
 def test_eval_json_replaces_a_link_instead_of_writing_through_it(holed, tmp_path, kind, capsys):
-    from launch.cli import main
+    from lmforge.launch.cli import main
 
     data, ckpt = holed
     victim, out = tmp_path / "victim.json", tmp_path / "e.json"

@@ -24,13 +24,13 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from bench.runs import ROOT, env, metrics, run_args
-from launch.cli import main as cli
-from pipeline.checkpoint import lock as lock_module
-from pipeline.checkpoint.lock import run_lock
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.metrics import get_logger
-from pipeline.parallel.distributed import DistInfo
-from pipeline.train import Trainer
+from lmforge.launch.cli import main as cli
+from lmforge.pipeline.checkpoint import lock as lock_module
+from lmforge.pipeline.checkpoint.lock import run_lock
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.metrics import get_logger
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.train import Trainer
 from tests.test_checkpoint_lineage import cfg_for
 from tests.test_checkpoint_trust import read_metadata, write_metadata
 from tests.test_disk_full import tmpfs
@@ -182,7 +182,7 @@ def test_a_start_refused_by_a_racing_winner_leaves_the_winners_directory(tiny_da
 
 
 def lmforge(*args, cpu_bf16: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", *map(str, args)], cwd=ROOT,
                           env={**env(), "LMFORGE_CPU_BF16": cpu_bf16}, capture_output=True,
                           text=True, timeout=300)
 
@@ -344,7 +344,7 @@ def test_every_file_kind_in_a_run_directory_is_refused_in_one_line(name, kind, r
 def test_a_full_disk_during_a_synchronous_muon_checkpoint_is_one_line(tiny_data, tmp_path):
     with tmpfs(tmp_path / "mnt", 1 << 20) as mnt:  # less than one checkpoint
         # A process of its own: the failed run's files must be closed before the unmount.
-        proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", *run_args(
+        proc = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", *run_args(
             tiny_data, mnt / "run", "--optim.name", "muon", "--checkpoint.async_save", "false",
             "--eval.every", "0", "--train.max_steps", "2")], cwd=ROOT, env=env(),
             capture_output=True, text=True, timeout=300)

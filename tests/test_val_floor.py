@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep import shards as S
-from data_prep.prepare import VAL_FLOOR_TOKENS
-from launch.cli import main as lmforge
-from pipeline.config import load_config
-from pipeline.data.windows import TokenWindows
+from lmforge.data_prep import shards as S
+from lmforge.data_prep.prepare import VAL_FLOOR_TOKENS
+from lmforge.launch.cli import main as lmforge
+from lmforge.pipeline.config import load_config
+from lmforge.pipeline.data.windows import TokenWindows
 from tests.test_prepare_bad_input import docs_dir, prepare
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from pipeline.parallel.parallelize import ParallelModel
+from lmforge.pipeline.parallel.parallelize import ParallelModel
 
 PREFIX = os.environ["LMFORGE_TRACE_GRAD_SYNC"]
 _TRACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -61,8 +61,8 @@ def traced_micro_step(self: ParallelModel, sync: bool):
 
 
 if __name__ == "__main__":
-    from launch.cli import run_user_command
-    from launch.train import main
+    from lmforge.launch.cli import run_user_command
+    from lmforge.launch.train import main
 
     ParallelModel.micro_step = traced_micro_step
     sys.exit(run_user_command(main, sys.argv[1:]))

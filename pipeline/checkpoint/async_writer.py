@@ -28,12 +28,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from data_prep.errors import is_disk_full
-from pipeline.checkpoint import format as ckpt
-from pipeline.checkpoint.safe_dcp import SINGLE_PROCESS_WARNING
-from pipeline.errors import CheckpointError
-from pipeline.metrics import get_logger
-from pipeline.parallel.distributed import DistInfo
+from lmforge.data_prep.errors import is_disk_full
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.checkpoint.safe_dcp import SINGLE_PROCESS_WARNING
+from lmforge.pipeline.errors import CheckpointError
+from lmforge.pipeline.metrics import get_logger
+from lmforge.pipeline.parallel.distributed import DistInfo
 
 log = get_logger()
 

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from data_prep.safe_files import kind_of
-from pipeline.errors import refusal
+from lmforge.data_prep.safe_files import kind_of
+from lmforge.pipeline.errors import refusal
 
 STORAGE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 BYTES_KEY = re.compile(r"^optim\.param_groups\.\d+\.\w+$")  # lr, betas, its params' names, ...

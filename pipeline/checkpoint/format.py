@@ -37,22 +37,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from data_prep.safe_files import check_dir, check_file, check_tree, read_bytes, read_text
-from data_prep.shards import copy_plain_tree
-from model import ModelConfig
-from pipeline.checkpoint.run_dir import RunDir
-from pipeline.checkpoint.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
-from pipeline.config import (
+from lmforge.data_prep.safe_files import check_dir, check_file, check_tree, read_bytes, read_text
+from lmforge.data_prep.shards import copy_plain_tree
+from lmforge.model import ModelConfig
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.checkpoint.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
+from lmforge.pipeline.config import (
     ConfigError,
     JobConfig,
     OptimConfig,
     config_from_dict,
     config_to_dict,
 )
-from pipeline.data.config import DataConfig, check_same_schedule
-from pipeline.metrics import get_logger
-from pipeline.optim.lrs import legacy_optim
-from pipeline.parallel.distributed import DistInfo, barrier
+from lmforge.pipeline.data.config import DataConfig, check_same_schedule
+from lmforge.pipeline.metrics import get_logger
+from lmforge.pipeline.optim.lrs import legacy_optim
+from lmforge.pipeline.parallel.distributed import DistInfo, barrier
 
 FORMAT = "lmforge-checkpoint"
 # 2: typed CheckpointMeta with lineage; the unread "parallel" key dropped. 3: optim.lr is the

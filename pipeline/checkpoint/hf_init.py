@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data_prep.safe_files import check_dir, file_sha256, open_fd, read_text
-from data_prep.tokenizer import HF_PREFIX
-from model import GPT, ModelConfig
-from model.hf import CONFIG_FILE, WEIGHTS_FILE, config_from_hf, hf_shapes, weight_table
-from pipeline.errors import CheckpointError, refusal
-from pipeline.parallel.materialize import copy_whole, materialize, meta_gpt
-from pipeline.typed_config import ConfigError, field_types, parse_overrides, parse_text
+from lmforge.data_prep.safe_files import check_dir, file_sha256, open_fd, read_text
+from lmforge.data_prep.tokenizer import HF_PREFIX
+from lmforge.model import GPT, ModelConfig
+from lmforge.model.hf import CONFIG_FILE, WEIGHTS_FILE, config_from_hf, hf_shapes, weight_table
+from lmforge.pipeline.errors import CheckpointError, refusal
+from lmforge.pipeline.parallel.materialize import copy_whole, materialize, meta_gpt
+from lmforge.pipeline.typed_config import ConfigError, field_types, parse_overrides, parse_text
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_JSON_BYTES = 1 << 26

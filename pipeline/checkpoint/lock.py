@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from data_prep.errors import DataError
-from data_prep.safe_files import check_file, open_fd
-from data_prep.shards import check_dir_path
-from pipeline.checkpoint.run_dir import RunDir, check_run_dir
-from pipeline.typed_config import ConfigError
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import check_file, open_fd
+from lmforge.data_prep.shards import check_dir_path
+from lmforge.pipeline.checkpoint.run_dir import RunDir, check_run_dir
+from lmforge.pipeline.typed_config import ConfigError
 
 
 def _try_lock(path: Path, create: bool) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_prep.safe_files import check_dir, check_file, check_tree
+from lmforge.data_prep.safe_files import check_dir, check_file, check_tree
 
 
 class RunDir:

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from data_prep.safe_files import UnsafeFile, read_bytes
-from pipeline.checkpoint.dcp_checks import check_metadata
-from pipeline.errors import CheckpointError, refusal
+from lmforge.data_prep.safe_files import UnsafeFile, read_bytes
+from lmforge.pipeline.checkpoint.dcp_checks import check_metadata
+from lmforge.pipeline.errors import CheckpointError, refusal
 
 # DCP warns on every save and load in one process (no_dist), which for us is a normal, intended
 # case: a one-process run, or a sharded checkpoint read whole.

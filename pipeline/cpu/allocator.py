@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from pipeline.metrics import get_logger
+from lmforge.pipeline.metrics import get_logger
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's default; fixed, it stops malloc raising it
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)

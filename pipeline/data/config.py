@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from pipeline.typed_config import ConfigError
-from pipeline.typed_config import bad_value as _bad
+from lmforge.pipeline.typed_config import ConfigError
+from lmforge.pipeline.typed_config import bad_value as _bad
 
 DEFAULT_DATA = "data/pystdlib"
 

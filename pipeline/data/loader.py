@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_prep.errors import DataError
-from model.model import IGNORE_INDEX
-from pipeline.data.config import phase_start
-from pipeline.data.rows import StreamRows
-from pipeline.data.windows import TokenWindows
-from pipeline.metrics import get_logger
+from lmforge.data_prep.errors import DataError
+from lmforge.model.model import IGNORE_INDEX
+from lmforge.pipeline.data.config import phase_start
+from lmforge.pipeline.data.rows import StreamRows
+from lmforge.pipeline.data.windows import TokenWindows
+from lmforge.pipeline.metrics import get_logger
 
 log = get_logger()
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from data_prep.errors import DataError
-from data_prep.shards import Manifest, load_manifest
-from pipeline.config import EvalConfig
-from pipeline.data.config import DataConfig, SourceConfig, named, phase_start, schedule, weights
-from pipeline.data.loader import Phase, Source
-from pipeline.data.rows import build_rows
-from pipeline.data.windows import TokenWindows
-from pipeline.evaluate import eval_batches
-from pipeline.metrics import get_logger
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.shards import Manifest, load_manifest
+from lmforge.pipeline.config import EvalConfig
+from lmforge.pipeline.data.config import DataConfig, SourceConfig, named, phase_start, schedule, weights
+from lmforge.pipeline.data.loader import Phase, Source
+from lmforge.pipeline.data.rows import build_rows
+from lmforge.pipeline.data.windows import TokenWindows
+from lmforge.pipeline.evaluate import eval_batches
+from lmforge.pipeline.metrics import get_logger
 
 log = get_logger()
 

@@ -15,10 +15,10 @@ import bisect
 
 import numpy as np
 
-from data_prep.errors import DataError
-from data_prep.shards import check_doc_index, map_tokens, read_doc_index, write_doc_index
-from pipeline.data.windows import TokenWindows
-from pipeline.metrics import get_logger
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.shards import check_doc_index, map_tokens, read_doc_index, write_doc_index
+from lmforge.pipeline.data.windows import TokenWindows
+from lmforge.pipeline.metrics import get_logger
 
 log = get_logger()
 

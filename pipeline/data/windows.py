@@ -9,9 +9,9 @@ import os
 
 import numpy as np
 
-from data_prep.errors import DataError
-from data_prep.shards import ShardError, check_shard, load_manifest, map_tokens
-from data_prep.tokenizer import fits_model
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.shards import ShardError, check_shard, load_manifest, map_tokens
+from lmforge.data_prep.tokenizer import fits_model
 
 
 class TokenWindows:

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from pipeline.config import OptimConfig, wsd_decay_steps
-from pipeline.optim.lrs import GROUPS, group_of, peak_lrs
-from pipeline.optim.muon import Muon
+from lmforge.pipeline.config import OptimConfig, wsd_decay_steps
+from lmforge.pipeline.optim.lrs import GROUPS, group_of, peak_lrs
+from lmforge.pipeline.optim.muon import Muon
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
@@ -42,7 +42,7 @@ def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
     """On CPU, a whole replica's steps reuse their freed buffers from the first step's end on
     (pipeline.cpu.allocator); FSDP2's shards give theirs back (pipeline.parallel.parallelize)."""
     if torch.device(device).type == "cpu" and not isinstance(model, FSDPModule):
-        from pipeline.cpu.allocator import keep_freed_blocks_after_first_step  # the CPU room
+        from lmforge.pipeline.cpu.allocator import keep_freed_blocks_after_first_step  # the CPU room
 
         last = optimizer.optimizers[-1] if isinstance(optimizer, Optimizers) else optimizer
         keep_freed_blocks_after_first_step(last)

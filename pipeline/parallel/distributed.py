@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipeline.hardware import configure_cuda
-from pipeline.typed_config import ConfigError
+from lmforge.pipeline.hardware import configure_cuda
+from lmforge.pipeline.typed_config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from model import GPT, ModelConfig
+from lmforge.model import GPT, ModelConfig
 
 # The in-place random fills nn.init is built on (normal_, and uniform_ under kaiming/xavier), and
 # nn.init's own entry points, which hand a tensor to the mode before calling them.

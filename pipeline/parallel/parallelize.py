@@ -18,15 +18,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from model import GPT
-from pipeline import attention
-from pipeline.attention import Attend
-from pipeline.config import TrainConfig
-from pipeline.hardware import dtype_name, resolve_dtype
-from pipeline.loss import HeadLoss, build_loss, resolve_loss
-from pipeline.metrics import get_logger
-from pipeline.parallel.distributed import DistInfo
-from pipeline.parallel.materialize import materialize
+from lmforge.model import GPT
+from lmforge.pipeline import attention
+from lmforge.pipeline.attention import Attend
+from lmforge.pipeline.config import TrainConfig
+from lmforge.pipeline.hardware import dtype_name, resolve_dtype
+from lmforge.pipeline.loss import HeadLoss, build_loss, resolve_loss
+from lmforge.pipeline.metrics import get_logger
+from lmforge.pipeline.parallel.distributed import DistInfo
+from lmforge.pipeline.parallel.materialize import materialize
 
 log = get_logger()
 
@@ -156,7 +156,7 @@ def parallelize(
     module: nn.Module = model
     if parallel == "fsdp":
         if info.device.type == "cpu":
-            from pipeline.cpu.allocator import release_freed_blocks  # the CPU room
+            from lmforge.pipeline.cpu.allocator import release_freed_blocks  # the CPU room
 
             release_freed_blocks()
         # bf16 parameters for compute, fp32 gradient reduction; the sharded fp32 parameters

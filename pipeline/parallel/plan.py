@@ -13,14 +13,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from data_prep.errors import DataError
-from data_prep.shards import load_manifest
-from model import GPT, ModelConfig
-from pipeline.config import ConfigError, JobConfig, derive
-from pipeline.hardware import GPU_PEAKS, gpu_dtype  # the datasheet table, kept in one place
-from pipeline.loss import CHUNK_ELEMS, chunk_tokens, resolve_loss
-from pipeline.optim.optimizers import is_muon_matrix
-from pipeline.parallel.materialize import meta_gpt
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.shards import load_manifest
+from lmforge.model import GPT, ModelConfig
+from lmforge.pipeline.config import ConfigError, JobConfig, derive
+from lmforge.pipeline.hardware import GPU_PEAKS, gpu_dtype  # the datasheet table, kept in one place
+from lmforge.pipeline.loss import CHUNK_ELEMS, chunk_tokens, resolve_loss
+from lmforge.pipeline.optim.optimizers import is_muon_matrix
+from lmforge.pipeline.parallel.materialize import meta_gpt
 
 FP32, BF16 = 4, 2
 GiB = 2**30

@@ -19,14 +19,14 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from data_prep.errors import DataError
-from data_prep.tokenizer import eot_id
-from model import GPT
-from pipeline.parallel.distributed import DistInfo, all_reduce_sum
-from pipeline.parallel.parallelize import Precision
-from pipeline.tasks import named, nextline
-from pipeline.tasks.example import Example, load_jsonl
-from pipeline.tasks.score import Encoded, choice_loglikelihoods, encode_example, verdict
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.tokenizer import eot_id
+from lmforge.model import GPT
+from lmforge.pipeline.parallel.distributed import DistInfo, all_reduce_sum
+from lmforge.pipeline.parallel.parallelize import Precision
+from lmforge.pipeline.tasks import named, nextline
+from lmforge.pipeline.tasks.example import Example, load_jsonl
+from lmforge.pipeline.tasks.score import Encoded, choice_loglikelihoods, encode_example, verdict
 
 HUB_SUFFIX = "@hub"
 

