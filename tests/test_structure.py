@@ -298,3 +298,117 @@ def test_the_size_and_circle_checks_can_fail():
                    "pipeline.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pipeline.a\n",
                    "pipeline.c": "from pipeline import a\n"}
     assert import_cycles(import_graph(lazy_circle)) == [["pipeline.a", "pipeline.b"]]
+
+
+# ---- every file is opened by data_prep/safe_files.py ---------------------------------------------
+
+# What opens a file by its path, following a link and waiting on a FIFO: `open` and `gzip.open`
+# alike (called or passed as a value), Path's reading and writing methods, and the file functions
+# of numpy, torch, safetensors, pyarrow, shutil and logging. A bare `read_text(...)` is
+# safe_files' own; `.open`, `.read_text` and the like, called on anything, are Path's kind.
+OPENERS = {"open", "safe_open", "load_file", "save_file", "FileHandler"}  # as a name or attribute
+PATH_METHODS = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "tofile",
+                "open_file", "open_stream", "memory_map"}  # as attributes only
+QUALIFIED = {"np.memmap", "np.load", "np.save", "np.fromfile", "np.loadtxt", "torch.load",
+             "torch.save", "shutil.copy", "shutil.copy2", "shutil.copyfile", "shutil.copytree"}
+NOT_A_FILE = {"os.devnull"}  # the null device, opened on purpose
+IN_MEMORY = {"io.BytesIO", "BytesIO", "pa.py_buffer", "pa.BufferReader"}
+
+# file -> (the openers it may use, why). An opener no longer used there fails the test.
+FILES_OPENED_ELSEWHERE = {
+    "pipeline/cpu/machine.py": ({".read_text"}, "/proc/cpuinfo: the kernel's, not input"),
+    "launch/cli.py": ({".write_text"}, "a rank's error line, into the launcher's own "
+                      "TemporaryDirectory (mode 0700): nothing else writes there"),
+    "launch/train.py": ({".read_text"}, "the ranks' error lines, from that same directory"),
+    "data_prep/shards.py": ({"np.memmap", "shutil.copytree"}, "maps the file object open_file "
+                            "checked; copy_plain_tree: check_tree, then symlinks=True"),
+    "pipeline/checkpoint/safe_dcp.py": ({"torch.load"}, "bytes SafeFileSystemReader read"),
+    "data_prep/sources.py": ({"open", ".open", ".open_file", ".open_stream"}, "TODO(lead): the "
+        "corpus (--source), links followed on purpose, but a FIFO named or globbed blocks: "
+        "safe_files needs a 'follow links, refuse special files' mode"),
+    "data_prep/merge.py": ({"shutil.copyfile"}, "TODO(lead): a shard copied across filesystems "
+                           "(a device file would be read without end): open_file + "
+                           "atomic_write_bytes"),
+    "pipeline/config.py": ({".read_text"}, "TODO(lead): --config follows a link, waits on a "
+                           "FIFO: read_text(path, limit, what='config')"),
+    "launch/sample.py": ({".read_text"}, "TODO(lead): --prompt-file: decide whether a pipe "
+                         "(`<(cmd)`) is allowed, then read it by safe_files"),
+    "launch/export.py": ({".read_text", ".write_text", "shutil.copyfile"}, "TODO(lead): "
+                         "config.json, the marker, the tokenizer's files: read_text, "
+                         "atomic_write_bytes, copy_plain_tree"),
+    "launch/demo.py": ({".open"}, "TODO(lead): metrics.jsonl; pipeline.metrics reads it bounded"),
+    "model/hf.py": ({"save_file", ".write_text"}, "TODO(lead): model/ may not import data_prep: "
+                    "an export's files belong to its caller, launch/export.py"),
+    "pipeline/checkpoint/format.py": ({"torch.save", ".write_text", "save_file"}, "TODO(lead): "
+        "the RNG state, meta.json, model.safetensors into the fresh .tmp directory: "
+        "atomic_write_bytes"),
+    "pipeline/inference.py": ({"safe_open", "load_file"}, "TODO(lead): model.safetensors by "
+        "path (a link or FIFO followed): check_file first, in #64 item 2's one reader"),
+}
+
+
+def file_opens(source: str) -> list[tuple[int, str]]:
+    """(line, opener) of each use in `source` of something that opens a file by its path."""
+    tree, skip = ast.parse(source), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):  # a subclass (of FileHandler, say) opens nothing itself
+            skip |= {id(n) for base in node.bases for n in ast.walk(base)}
+        elif isinstance(node, ast.Call) and node.args and not_a_file(node.args[0]):
+            skip |= {id(n) for n in ast.walk(node.func)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Attribute):
+            if ast.unparse(node) in QUALIFIED:
+                found.append((node.lineno, ast.unparse(node)))
+            elif node.attr in PATH_METHODS:
+                found.append((node.lineno, "." + node.attr))
+            elif node.attr in OPENERS:
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and node.id in OPENERS and isinstance(node.ctx, ast.Load):
+            found.append((node.lineno, node.id))
+    return found
+
+
+def not_a_file(arg: ast.expr) -> bool:
+    """/dev/null, or bytes already in memory (read by safe_files)."""
+    return ast.unparse(arg) in NOT_A_FILE or (isinstance(arg, ast.Call) and ast.unparse(
+        arg.func) in IN_MEMORY)
+
+
+def test_every_file_is_opened_by_safe_files():
+    found, needed = [], set()
+    for package in PRODUCT:
+        for path, src in sources(package):
+            if path.as_posix() == "data_prep/safe_files.py":
+                continue
+            allowed = FILES_OPENED_ELSEWHERE.get(path.as_posix(), (set(), ""))[0]
+            for line, opener in file_opens(src):
+                needed.add((path.as_posix(), opener)) if opener in allowed else found.append(
+                    f"{path}:{line} {opener}")
+    assert not found, ("files opened outside data_prep/safe_files.py (open_file, read_text, "
+                       "atomic_write_bytes, ...):\n" + "\n".join(found))
+    listed = {(path, opener) for path, (openers, _) in FILES_OPENED_ELSEWHERE.items()
+              for opener in openers}
+    assert needed == listed, f"allowed openers no file uses any more: {listed - needed}"
+
+
+@pytest.mark.parametrize("source", [
+    "open(path)\n", "with open(path, 'rb') as f:\n    pass\n", "Path(p).read_text()\n",
+    "run.metrics.open()\n", "p.write_bytes(b'')\n", "np.memmap(p, mode='r')\n",
+    "torch.load(p, weights_only=True)\n", "json.load(open(p))\n", "shutil.copyfile(a, b)\n",
+    "OPEN = {'.gz': gzip.open}\n", "opener = table.get(suffix, open)\n",
+    "safe_open(p, framework='pt')\n", "logging.FileHandler(p)\n", "pa.ipc.open_file(p)\n",
+    "os.open(p, os.O_RDONLY)\n", "torch.save(state, tmp / 'rng.pt')\n",
+])
+def test_the_safe_files_check_sees_every_way_of_opening(source):
+    assert file_opens(source), source
+
+
+def test_what_opens_no_file_passes_the_safe_files_check():
+    source = ("from lmforge.data_prep.safe_files import open_file, read_text\n"
+              "read_text(p, 10, what='x')\nwith open_file(p) as f:\n    f.read()\n"
+              "torch.load(io.BytesIO(data), weights_only=True)\n"
+              "null = os.open(os.devnull, os.O_WRONLY)\nx = w.copy()\nself.save()\n")
+    assert file_opens(source) == []
