@@ -29,8 +29,13 @@ def cli_error(capsys, argv: list[str], *needles: str) -> str:
 
 def last_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
     """For a training process, whose log lines come first: its only `error:` line is its last."""
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert [ln for ln in lines if ln.startswith("error: ")] == lines[-1:], proc.stderr[-3000:]
+    return last_error_line(proc.returncode, proc.stderr, *needles)
+
+
+def last_error_line(rc: int, err: str, *needles: str) -> str:
+    """The same for an exit status and stderr (a training run in this process, say)."""
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err and "Logging error" not in err, (rc, err[-3000:])
+    assert [ln for ln in lines if ln.startswith("error: ")] == lines[-1:], err[-3000:]
     assert all(n in lines[-1] for n in needles), f"the error does not name {needles}: {lines[-1]}"
     return lines[-1]

@@ -1,14 +1,14 @@
-"""Issue 51, the dataset side: every file lmforge opens in a dataset, a tokenizer directory, a
-prepare's output or an output path is opened as what it must be (a regular file, never through a
-link, bounded), and every figure read from one is held against its neighbours (manifest <->
-tokenizer <-> shards) before it sizes anything. Each case runs `lmforge` on real files, as a
-subprocess under a timeout where a FIFO or /dev/zero could hang it; each refusal is one `error:`
-line, exit 2, with nothing outside the dataset read or written."""
+"""A dataset is input, not lmforge's own: every file `prepare --verify`, `inspect`, the trainer's
+loader, `eval` and `sample` open in a dataset or its tokenizer directory goes through
+data_prep/safe_files.py (tests/test_safe_files.py holds the rule itself), and every figure read
+from one is held against its neighbours (manifest <-> tokenizer <-> shards) before it sizes
+anything. Each case runs `lmforge` on real files, as a subprocess under a timeout where a FIFO or
+/dev/zero could hang it; each refusal is one `error:` line, exit 2, with nothing outside the
+dataset read or written."""
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +22,7 @@ import pytest
 from bench.runs import ROOT, TINY_ARGS, env
 from lmforge.data_prep import shards as S
 from tests.errors import last_error, one_error_line, proc_error
-from tests.test_disk_full import tmpfs
+from tests.file_kinds import files_under, plant
 from tests.test_eval_sample_export import make_checkpoint
 from tests.test_prepare_bad_input import byte_vocab
 
@@ -77,56 +77,32 @@ def copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def tree(directory: Path) -> dict[str, bytes]:
-    return {p.relative_to(directory).as_posix(): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file() and not p.is_symlink()}
-
-
 # --------------------------------------------------------------------------------------------
-# every file kind, for every file of a dataset (#3, and the rule)
+# every file kind, for every file of a dataset
 
 FILES = ["train_000000.bin", "train_000000.idx", "manifest.json", "tokenizer/vocab.tiktoken",
          "tokenizer/tokenizer.json"]
-KINDS = ["link to a file", "link to a directory", "FIFO", "directory", "link to /dev/zero"]
-
-
-def plant(path: Path, kind: str, outside: Path) -> None:
-    """Replace the file at `path` by `kind` (a link to a file outside holds its very bytes)."""
-    original = path.read_bytes()
-    path.unlink()
-    if kind == "link to a file":
-        (outside / path.name).write_bytes(original)
-        path.symlink_to(outside / path.name)
-    elif kind == "link to a directory":
-        path.symlink_to(outside)
-    elif kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.mkdir()
-    else:
-        path.symlink_to("/dev/zero")
+KINDS = ["link_to_file", "link_to_dir", "fifo", "dir", "link_to_dev_zero"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", FILES)
 def test_every_file_kind_in_a_dataset_is_refused_in_one_line(dataset, tmp_path, name, kind):
     data, outside = copy(dataset, tmp_path / "data"), tmp_path / "outside"
-    outside.mkdir()
     plant(data / name, kind, outside)
-    before = tree(outside)
+    before = files_under(outside)
     # prepare --verify reads the manifest, every shard and index; inspect the tokenizer too.
     command = ["inspect", str(data)] if name.startswith("tokenizer/") else ["prepare", "--verify",
                                                                            str(data)]
     line = proc_error(lmforge(*command))
     assert Path(name).name in line and "Traceback" not in line
-    assert tree(outside) == before
+    assert files_under(outside) == before
 
 
-@pytest.mark.parametrize("kind", ["FIFO", "link to /dev/zero", "directory"])
+@pytest.mark.parametrize("kind", ["fifo", "link_to_dev_zero", "dir"])
 def test_the_trainers_loader_refuses_a_special_document_index(dataset, tmp_path, kind):
-    """#3 through the loader's own path (inspect --rows is the trainer's loader)."""
+    """Through the loader's own path (inspect --rows is the trainer's loader)."""
     data, outside = copy(dataset, tmp_path / "data"), tmp_path / "outside"
-    outside.mkdir()
     plant(data / "train_000000.idx", kind, outside)
     proc_error(lmforge("inspect", str(data), "--rows", "2", "--seq-len", "8", "--align", "doc"),
                "train_000000.idx", "is a")
@@ -150,7 +126,7 @@ def test_a_link_at_an_output_temp_name_is_never_written_through(dataset, tmp_pat
 
 
 # --------------------------------------------------------------------------------------------
-# the tokenizer held against the manifest (#5), holes (#9), a crafted pattern (#16)
+# the tokenizer held against the manifest, ids without tokens, a pattern that panics tiktoken
 
 
 def craft_rank(data: Path, n_vocab: int | None) -> None:
@@ -196,7 +172,7 @@ def test_prepare_refuses_a_tiktoken_file_with_a_rank_beyond_its_tokens(tmp_path)
 
 
 def test_sample_decodes_ids_without_bytes_as_replacement_characters(holed, capsys):
-    """#9: a random model draws unused ids (44 of 311) often; each prints as U+FFFD."""
+    """A random model draws unused ids (44 of 311) often; each prints as U+FFFD."""
     from lmforge.launch.cli import main
 
     _, ckpt = holed
@@ -208,7 +184,7 @@ def test_sample_decodes_ids_without_bytes_as_replacement_characters(holed, capsy
 
 @pytest.mark.parametrize("pattern", ["", "(?=a)|\\s", "(?:a|a)*(?!x)b|\\S|\\s"])
 def test_a_tokenizer_pattern_that_panics_tiktoken_is_one_line(holed, tmp_path, pattern):
-    """#16: a pattern matching the empty string or backtracking without bound panics tiktoken's
+    """A pattern matching the empty string or backtracking without bound panics tiktoken's
     Rust core on encoding (a BaseException, and a Rust backtrace on stderr)."""
     ckpt = copy(holed[1], tmp_path / "final")
     meta = json.loads((ckpt / "tokenizer/tokenizer.json").read_text())
@@ -229,7 +205,7 @@ def test_prepare_refuses_a_sidecar_pattern_that_panics_tiktoken(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# the manifest validated on read (#18)
+# the manifest validated on read
 
 
 def edit_manifest(data: Path, edit) -> None:
@@ -265,29 +241,7 @@ def test_eval_takes_data_whose_manifest_predates_the_tokenizer_sha256(holed, tmp
 
 
 # --------------------------------------------------------------------------------------------
-# val floor and duplicates (#10), --out inside --source (#13)
-
-
-def test_the_val_floor_counts_copies_of_a_document(tmp_path):
-    """3 documents, 4 copies each: at most 6 of the 12 may go to val; the copies of one
-    document all go to one side (none leaks into train), so val takes 4."""
-    data = prepare_dir(tmp_path, byte_vocab(tmp_path / "b.tiktoken"),
-                       [f"text number {i % 3}" for i in range(12)])
-    m = S.load_manifest(data)
-    assert m.num_documents("val") == 4 and m.num_documents("train") == 8
-
-
-def test_a_corpus_of_copies_prepares_with_an_empty_val_and_says_so(tmp_path):
-    root = tmp_path
-    (root / "src").mkdir()
-    for i in range(5):
-        (root / "src" / f"d{i}.txt").write_text("the very same text")
-    proc = lmforge("prepare", "--source", str(root / "src"), "--tokenizer",
-                   str(byte_vocab(root / "b.tiktoken")), "--out", str(root / "data"), "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    m = S.load_manifest(root / "data")
-    assert m.num_documents("train") == 5 and m.num_documents("val") == 0
-    assert "val holds 0 tokens" in proc.stdout
+# --out inside --source
 
 
 @pytest.mark.parametrize("source", ["dir", "glob"])
@@ -304,56 +258,6 @@ def test_prepare_out_inside_source_never_reads_its_own_files(tmp_path, source):
     assert S.load_manifest(src / "data").num_documents("train") == 6
     again = lmforge(*argv)
     assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr
-
-
-# --------------------------------------------------------------------------------------------
-# unwritable and full output paths (#17): prepare, export, eval --json
-
-
-@pytest.fixture
-def read_only(tmp_path):
-    with tmpfs(tmp_path / "ro", 1 << 20, "ro") as path:
-        yield path
-
-
-@pytest.fixture
-def full(tmp_path):
-    with tmpfs(tmp_path / "full", 256 << 10) as path:
-        fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
-        with contextlib.suppress(OSError):
-            while os.write(fd, b"\0" * 4096):
-                pass
-        os.close(fd)
-        yield path
-
-
-def test_prepare_into_a_read_only_path_is_one_line(read_only, tmp_path):
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.txt").write_text("text")
-    proc_error(lmforge("prepare", "--source", str(tmp_path / "src"), "--tokenizer",
-                       str(byte_vocab(tmp_path / "b.tiktoken")), "--out",
-                       str(read_only / "data"), "--quiet"), "not writable")
-
-
-def test_export_into_a_read_only_path_is_one_line(holed, read_only):
-    proc_error(lmforge("export", "--ckpt", str(holed[1]), "--hf", str(read_only / "hf")),
-               "not writable")
-
-
-def test_eval_json_into_a_read_only_path_is_said_before_evaluating(holed, read_only):
-    data, ckpt = holed
-    proc = lmforge("eval", "--ckpt", str(ckpt), "--data", str(data), "--json",
-                   str(read_only / "e.json"))
-    proc_error(proc, "--json", "not writable")
-    assert "perplexity" not in proc.stdout
-
-
-def test_eval_json_on_a_full_disk_is_one_line_and_leaves_nothing(holed, full):
-    data, ckpt = holed
-    proc = lmforge("eval", "--ckpt", str(ckpt), "--data", str(data), "--json",
-                   str(full / "e.json"))
-    one_error_line(proc.returncode, proc.stderr, "--json", "e.json")
-    assert sorted(p.name for p in full.iterdir()) == ["filler"]
 
 
 @pytest.mark.parametrize("kind", ["hard link", "symbolic link"])

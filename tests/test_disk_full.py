@@ -1,37 +1,23 @@
-"""A disk that fills during a checkpoint: one `error:` line naming the free space, the space a
-checkpoint needs and the last complete checkpoint, exit 2, and no `.tmp` left behind, whether the
-write is synchronous or in the background. On a real full filesystem: a small tmpfs (root only)."""
+"""A full or read-only disk under any output (a checkpoint, an export, a prepare, `eval --json`):
+one `error:` line, exit 2, and no `.tmp` left behind. A checkpoint's line names the free space,
+the space a checkpoint needs and the last complete checkpoint, whether the write is synchronous or
+in the background; a path that cannot be written is said before any work. On a real full
+filesystem: a small tmpfs (root only)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.runs import ROOT, TINY_ARGS, env
-from tests.errors import last_error
+from bench.runs import ROOT, TINY_ARGS, env, run_args
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from tests.errors import last_error, proc_error
+from tests.file_kinds import full_disk, tmpfs
+from tests.test_eval_sample_export import make_checkpoint
 from tests.test_prepare_bad_input import docs_dir, prepare
-
-
-@contextlib.contextmanager
-def tmpfs(mnt: Path, size_bytes: int, options: str = ""):
-    """A tmpfs of `size_bytes` at `mnt` (`options`, e.g. "ro", added to the mount's), unmounted
-    after (the test skips where it cannot mount)."""
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(filter(None, [
-        f"size={size_bytes}", options])), "tmpfs", str(mnt)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @pytest.fixture
@@ -61,6 +47,27 @@ def lmforge(*args: str) -> subprocess.CompletedProcess:
 
 def files_of(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_full_disk_during_a_synchronous_muon_checkpoint_is_one_line(tiny_data, tmp_path):
+    with tmpfs(tmp_path / "mnt", 1 << 20) as mnt:  # less than one checkpoint
+        proc = lmforge("train", *run_args(tiny_data, mnt / "run", "--optim.name", "muon",
+                                          "--checkpoint.async_save", "false", "--eval.every", "0",
+                                          "--train.max_steps", "2"))
+        last_error(proc, "no space left on device writing", "a checkpoint needs ~",
+                   "no checkpoint of this run is complete")
+        assert not list((mnt / "run" / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("disk", ["read_only", "full"])
+def test_an_unwritable_or_full_run_directory_is_one_line(disk, tiny_data, tmp_path):
+    with tmpfs(tmp_path / "mnt", 8 << 10) as mnt:  # two pages: the lock's, then train.log's
+        if disk == "read_only":
+            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        proc = lmforge("train", *run_args(tiny_data, mnt / "run", "--train.max_steps", "2"))
+        last_error(proc, "cannot write", "Read-only file system" if disk == "read_only"
+                   else "No space left on device")
+        assert not RunDir(mnt / "run").lock.exists()
 
 
 def test_an_export_that_fills_its_disk_is_one_line_and_keeps_the_previous_one(tiny_data, tmp_path):
@@ -99,3 +106,39 @@ def test_a_prepare_that_fills_its_disk_is_one_line_and_resumes_once_there_is_roo
         assert lmforge(*argv).returncode == 0
         shards = sorted(p.name for p in whole.iterdir() if p.suffix in (".bin", ".idx"))
         assert [(out / n).read_bytes() for n in shards] == [(whole / n).read_bytes() for n in shards]
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    with tmpfs(tmp_path / "ro", 1 << 20, "ro") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_data, tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "final", tiny_data)
+
+
+def test_prepare_into_a_read_only_path_is_one_line(read_only, tmp_path):
+    proc_error(lmforge(*prepare(tmp_path, docs_dir(tmp_path, "text"), out=str(read_only / "data"))),
+               "not writable")
+
+
+def test_export_into_a_read_only_path_is_one_line(ckpt, read_only):
+    proc_error(lmforge("export", "--ckpt", str(ckpt), "--hf", str(read_only / "hf")),
+               "not writable")
+
+
+def test_eval_json_into_a_read_only_path_is_said_before_evaluating(ckpt, tiny_data, read_only):
+    proc = lmforge("eval", "--ckpt", str(ckpt), "--data", str(tiny_data), "--json",
+                   str(read_only / "e.json"))
+    proc_error(proc, "--json", "not writable")
+    assert "perplexity" not in proc.stdout
+
+
+def test_eval_json_on_a_full_disk_is_one_line_and_leaves_nothing(ckpt, tiny_data, tmp_path):
+    with full_disk(tmp_path / "full") as full:
+        proc = lmforge("eval", "--ckpt", str(ckpt), "--data", str(tiny_data), "--json",
+                       str(full / "e.json"))
+        proc_error(proc, "--json", "e.json")
+        assert sorted(p.name for p in full.iterdir()) == ["filler"]

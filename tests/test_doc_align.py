@@ -1,6 +1,8 @@
 """data.align = doc: rows that start at document starts, on shards whose documents run over shard
-boundaries; the document index (written by prepare, built once when absent); `lmforge inspect
---rows --json` equals the trainer's loader; the mixture's bad inputs, one line and exit 2."""
+boundaries; the document index (written by prepare with its sha256 in the manifest, built once
+when absent, and checked when it is loaded: its sha256, every offset within its shard and at an
+EOT token, through `lmforge train` and `prepare --verify`); `lmforge inspect --rows --json` equals
+the trainer's loader; the mixture's bad inputs, one line and exit 2."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +33,9 @@ from lmforge.data_prep.shards import (
 )
 from lmforge.model.model import IGNORE_INDEX
 from lmforge.pipeline.data.loader import Source, TokenWindows, TrainLoader
+from lmforge.data_prep.safe_files import file_sha256
 from lmforge.pipeline.data.rows import DocRows
+from tests.errors import cli_error, last_error
 
 EOT, VOCAB, SEQ = 0, 1000, 16
 
@@ -89,6 +94,7 @@ def test_prepare_writes_the_index_and_verify_checks_it(tiny_data, tmp_path):
     for info in m.shards:
         shard = tiny_data / info.file
         offsets = read_doc_index(shard, info.tokens)
+        assert info.index_sha256 == file_sha256(index_path(shard))
         assert len(offsets) == info.documents
         assert (np.flatnonzero(np.asarray(open_shard(shard)) == m.eot_id) == offsets).all()
     data = tmp_path / "data"
@@ -192,3 +198,68 @@ def test_prepare_and_inspect_start_without_torch(tmp_path, vocab_tiktoken):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d"), str(vocab_tiktoken)],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.split()[-2:] == ["0", "False"], out.stderr
+
+
+# ---- a document index that does not match its shard is refused at load ------------------------
+
+
+def train(data: Path, run: Path) -> subprocess.CompletedProcess:
+    args = ["--data.path", str(data), "--log.out_dir", str(run), *TINY_ARGS,
+            "--data.align", "doc", "--train.max_steps", "2", "--eval.every", "0"]
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", *args], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=300)
+
+
+def edit_index(data: Path, edit, manifest: str) -> Path:
+    """Rewrite the first train shard's index with `edit(offsets)`; the manifest's record of it:
+    "kept" (now wrong), "updated" (a dataset consistent with the edit) or "dropped" (as data
+    prepared before the index sha256 was recorded)."""
+    m = json.loads((data / "manifest.json").read_text())
+    info = next(s for s in m["shards"] if s["split"] == "train")
+    shard = data / info["file"]
+    raw = index_path(shard).read_bytes()
+    offsets = np.frombuffer(raw, "<u8", offset=32).copy()
+    edit(offsets)
+    sha = write_doc_index(shard, offsets, info["tokens"])
+    for s in m["shards"]:
+        if manifest == "updated" and s is info:
+            s["index_sha256"] = sha
+        elif manifest == "dropped":
+            s.pop("index_sha256", None)
+    (data / "manifest.json").write_text(json.dumps(m))
+    return shard
+
+
+@pytest.fixture
+def data(tiny_data, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_data, tmp_path / "data"))
+
+
+def shift(offsets: np.ndarray) -> None:
+    offsets[1:] += 3  # in range and increasing: rows would start 3 tokens into documents
+
+
+def wrap(offsets: np.ndarray) -> None:
+    offsets[0] = 2**64 - 1  # -1 as int64
+
+
+@pytest.mark.parametrize(("edit", "manifest", "message"), [
+    (shift, "kept", "fails its sha256 checksum"),
+    (shift, "updated", "not end-of-text"),
+    (shift, "dropped", "not end-of-text"),
+    (wrap, "updated", "not increasing within its shard's"),
+    (wrap, "dropped", "not increasing within its shard's"),
+])
+def test_a_bad_document_index_is_refused_at_load(data, tmp_path, capsys, edit, manifest, message):
+    shard = edit_index(data, edit, manifest)
+    last_error(train(data, tmp_path / "run"), index_path(shard).name, message)
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+    cli_error(capsys, ["prepare", "--verify", str(data)], message)
+
+
+def test_a_manifest_without_index_checksums_still_trains(data, tmp_path):
+    """Data prepared before the index sha256 was recorded: read, its index checked by its
+    tokens."""
+    edit_index(data, lambda offsets: None, "dropped")
+    proc = train(data, tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,8 @@
-"""`lmforge prepare` and `inspect` on damaged or unusual input: one `error:` line and exit 2 for a
-mistake, nothing outside the output directory touched, and the right tokens for valid input.
-Each case is one that a review found ending in a traceback or, worse, in silently wrong data."""
+"""`lmforge prepare` and `inspect` on damaged or unusual input (a corrupt or truncated source
+file, a bad table record, an inconsistent vocabulary, a damaged manifest, a resume over changed
+sources, parts of different runs): one `error:` line and exit 2 for a mistake, never a traceback
+or silently wrong data, nothing outside the output directory touched, and the right tokens for
+valid input."""
 
 from __future__ import annotations
 

@@ -1,19 +1,18 @@
 """A run directory is lmforge's own, and nothing in it reaches outside: every file `train` opens
-there is a regular file (never followed through a link, a FIFO, a device or a directory), a
-refused start deletes nothing it did not create, and what a resume reads (meta.json, the dtype,
-the mixture order, the step) is held to the run. Each defect of issue 51 that lies on this side is
-a test here, through `lmforge train` on real files: one `error:` line, exit 2, nothing outside
-read or written."""
+there goes through data_prep/safe_files.py (a regular file, never followed through a link, a
+FIFO, a device or a directory: tests/test_safe_files.py holds the rule itself), and what a resume
+reads (meta.json, the RNG state, the dtype, the mixture order, the step, each DCP chunk) is held
+to the run. Each case runs `lmforge` on real files: one `error:` line, exit 2, nothing outside
+read or written. The run's lock: tests/test_run_lock.py; a full or read-only disk:
+tests/test_disk_full.py."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +24,14 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from bench.runs import ROOT, env, metrics, run_args
 from lmforge.launch.cli import main as cli
-from lmforge.pipeline.checkpoint import lock as lock_module
-from lmforge.pipeline.checkpoint.lock import run_lock
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.metrics import get_logger
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
 from tests.test_checkpoint_lineage import cfg_for
 from tests.test_checkpoint_trust import read_metadata, write_metadata
-from tests.test_disk_full import tmpfs
+from tests.errors import last_error_line
+from tests.file_kinds import plant
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 STEP = "checkpoints/step_00000002"
@@ -47,8 +45,9 @@ def trained(tiny_data, tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.fixture
-def run(trained, tmp_path) -> Path:
+@pytest.fixture(name="run")
+def copied_run(trained, tmp_path) -> Path:
+    """A copy of `trained` for a test to change."""
     return Path(shutil.copytree(trained, tmp_path / "run", symlinks=True))
 
 
@@ -61,15 +60,6 @@ def train(capsys, *args) -> tuple[int, str]:
             get_logger().removeHandler(handler)
             handler.close()
     return rc, capsys.readouterr().err
-
-
-def refused(rc: int, err: str, *needles: str) -> str:
-    """A training process's refusal: exit 2, no traceback, its one `error:` line its last."""
-    lines = err.strip().splitlines()
-    assert rc == 2 and "Traceback" not in err and "Logging error" not in err, (rc, err[-3000:])
-    assert [ln for ln in lines if ln.startswith("error: ")] == lines[-1:], err[-3000:]
-    assert all(n in lines[-1] for n in needles), f"the error does not name {needles}: {lines[-1]}"
-    return lines[-1]
 
 
 def resume(capsys, data, run_dir, *extra) -> tuple[int, str]:
@@ -85,39 +75,7 @@ def files_of(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-# ---- 1. the lock ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "resume"])
-def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(fresh, run, tiny_data, tmp_path,
-                                                                  capsys):
-    run_dir = tmp_path / "new" if fresh else run
-    run_dir.mkdir(exist_ok=True)
-    secret = tmp_path / "secret.txt"
-    secret.write_text("precious\n")
-    before = snapshot(secret)
-    RunDir(run_dir).lock.symlink_to(secret)
-    rc, err = resume(capsys, tiny_data, run_dir)
-    refused(rc, err, "lock", "symbolic link")
-    assert snapshot(secret) == before
-    assert RunDir(run_dir).lock.is_symlink()  # not removed either: the refusal did not create it
-
-
-@pytest.mark.parametrize("kind", ["dir", "readonly"])
-def test_a_lock_that_cannot_be_opened_is_one_line(kind, run, tiny_data, tmp_path, capsys):
-    if kind == "dir":
-        RunDir(run).lock.mkdir()
-        rc, err = resume(capsys, tiny_data, run)
-        refused(rc, err, "lock", "a directory")
-        return
-    with tmpfs(tmp_path / "ro", 16 << 20) as mnt:
-        shutil.copytree(run, mnt / "run")
-        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        rc, err = resume(capsys, tiny_data, mnt / "run")
-        refused(rc, err, "lock", "Read-only file system")
-
-
-# ---- 2. each element of a DCP tensor is stored exactly once --------------------------------------
+# ---- each element of a DCP tensor is stored exactly once --------------------------------------
 
 
 @pytest.mark.parametrize("how", ["listed_twice", "overlapping"])
@@ -146,39 +104,12 @@ def test_a_checkpoint_whose_chunks_count_rows_twice_is_refused(how, run, tiny_da
                  ["sample", "--ckpt", str(step), "--prompt", "x", "--max-new-tokens", "2"]):
         assert cli(argv) == 2
         err = capsys.readouterr().err
-        refused(2, err, "refusing to load", key, "twice")
+        last_error_line(2, err, "refusing to load", key, "twice")
     rc, err = resume(capsys, tiny_data, run)
-    refused(rc, err, key, "twice")
+    last_error_line(rc, err, key, "twice")
 
 
-# ---- 6. a refused start deletes nothing it did not create -----------------------------------------
-
-
-def test_a_start_refused_by_a_racing_winner_leaves_the_winners_directory(tiny_data, tmp_path,
-                                                                        capsys, monkeypatch):
-    """Two starts into one new directory: the winner takes the lock between the loser's look at
-    the directory and its own lock; the loser's refusal must not remove the winner's directory."""
-    run_dir = tmp_path / "run"
-    real = lock_module.check_dir_path
-    with contextlib.ExitStack() as winner:
-
-        def winner_gets_there_first(path, flag):
-            real(path, flag)
-            if not winner._exit_callbacks:  # once (the winner's own start calls this too)
-                winner.callback(lambda: None)
-                winner.enter_context(run_lock(run_dir))
-
-        monkeypatch.setattr(lock_module, "check_dir_path", winner_gets_there_first)
-        rc, err = train(capsys, *run_args(tiny_data, run_dir, "--train.max_steps", "1"))
-        refused(rc, err, "is being written by another run")
-        assert RunDir(run_dir).lock.read_text().startswith(f"pid {os.getpid()} on ")
-        monkeypatch.setattr(lock_module, "check_dir_path", real)
-        rc, err = train(capsys, *run_args(tiny_data, run_dir, "--train.max_steps", "1"))
-        refused(rc, err, "is being written by another run")  # a third start: still one writer
-    assert not RunDir(run_dir).lock.exists()  # the winner's own release
-
-
-# ---- 7. dtype auto is saved resolved and kept by a resume -----------------------------------------
+# ---- dtype auto is saved resolved and kept by a resume -----------------------------------------
 
 
 def lmforge(*args, cpu_bf16: str) -> subprocess.CompletedProcess:
@@ -205,7 +136,7 @@ def test_dtype_auto_is_saved_resolved_and_a_resume_and_eval_keep_it(tiny_data, t
         ev.stdout + ev.stderr[-2000:]
 
 
-# ---- 8. a resume keeps the order of the mixture's sources -----------------------------------------
+# ---- a resume keeps the order of the mixture's sources -----------------------------------------
 
 
 def test_a_resume_with_the_sources_in_another_order_is_refused(tiny_data, tmp_path, capsys):
@@ -216,10 +147,10 @@ def test_a_resume_with_the_sources_in_another_order_is_refused(tiny_data, tmp_pa
     assert rc == 0, err[-3000:]
     rc, err = train(capsys, *args, "--data.mix", f"{b}:0.3,{a}:0.7", "--train.max_steps", "3",
                     "--resume", "auto")
-    refused(rc, err, "data schedule", "order")
+    last_error_line(rc, err, "data schedule", "order")
 
 
-# ---- 11. a fresh start never drops an earlier start's records -------------------------------------
+# ---- a fresh start never drops an earlier start's records -------------------------------------
 
 
 @pytest.mark.parametrize("resume_flag", ["none", "auto"])
@@ -238,19 +169,19 @@ def test_a_fresh_start_keeps_the_records_of_a_start_killed_before_its_first_chec
     assert [r["step"] for r in metrics(run_dir)] == [1]
 
 
-# ---- 14. a resume past its max_steps --------------------------------------------------------------
+# ---- a resume past its max_steps --------------------------------------------------------------
 
 
 def test_a_resume_with_max_steps_below_the_checkpoint_is_one_line(run, tiny_data, capsys):
     before = files_of(run)
     rc, err = resume(capsys, tiny_data, run, "--train.max_steps", "1")
-    refused(rc, err, "step 2", "train.max_steps")
+    last_error_line(rc, err, "step 2", "train.max_steps")
     after = files_of(run)
     after.pop("train.log")  # the refused start's log, appended
     assert after == before  # config.toml, metrics.jsonl, checkpoints untouched
 
 
-# ---- 19. meta.json records are typed --------------------------------------------------------------
+# ---- meta.json records are typed --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("field, value", [
@@ -264,21 +195,21 @@ def test_a_meta_json_with_a_wrong_type_or_key_is_one_line(field, value, run, tin
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text(lines[0] + "\n")  # killed before step 2's record
     rc, err = resume(capsys, tiny_data, run)
-    refused(rc, err, "meta.json")
+    last_error_line(rc, err, "meta.json")
 
 
 def test_a_checkpoint_missing_a_writers_rng_state_is_refused(run, tiny_data, capsys):
     (run / STEP / "rng_rank00000.pt").unlink()
     rc, err = resume(capsys, tiny_data, run)
-    refused(rc, err, "rng_rank00000.pt", "missing")
+    last_error_line(rc, err, "rng_rank00000.pt", "missing")
 
 
-# ---- 20. the seed's range -------------------------------------------------------------------------
+# ---- the seed's range -------------------------------------------------------------------------
 
 
 def test_a_seed_past_the_generators_range_is_refused_at_validation(tiny_data, tmp_path, capsys):
     rc, err = train(capsys, *run_args(tiny_data, tmp_path / "run", "--train.seed", str(2**64)))
-    refused(rc, err, "train.seed")
+    last_error_line(rc, err, "train.seed")
     assert not (tmp_path / "run").exists()
 
 
@@ -288,37 +219,7 @@ WRITTEN = ["lock", "config.toml", "train.log", "metrics.jsonl", "loss.png"]
 READ = [f"{STEP}/meta.json", f"{STEP}/.metadata", f"{STEP}/__0_0.distcp",
         f"{STEP}/rng_rank00000.pt", "final/meta.json"]
 KINDS = ["link_to_file", "link_to_dir", "link_to_dev_zero", "fifo", "dir", "char_device",
-         "hard_link"]
-
-
-def plant(path: Path, kind: str, outside: Path) -> None:
-    """Put a `kind` at `path`; the file it replaces (if any) goes to outside/secret, so that a
-    link followed would find the genuine bytes there."""
-    secret, folder = outside / "secret", outside / "folder"
-    folder.mkdir(parents=True)
-    (folder / "inside").write_text("precious\n")
-    if path.exists():
-        shutil.move(path, secret)
-    else:
-        secret.write_text("precious\n")
-    if kind == "link_to_file":
-        path.symlink_to(secret)
-    elif kind == "link_to_dir":
-        path.symlink_to(folder)
-    elif kind == "link_to_dev_zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "dir":
-        path.mkdir()
-        (path / "inside").write_text("x")
-    elif kind == "char_device":
-        try:
-            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero's numbers
-        except PermissionError:
-            pytest.skip("mknod needs CAP_MKNOD")
-    else:
-        os.link(secret, path)
+         "hard_link"]  # tests/file_kinds.py's, but a socket: refused as a FIFO is
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -334,34 +235,8 @@ def test_every_file_kind_in_a_run_directory_is_refused_in_one_line(name, kind, r
         # hard-linked copy of a checkpoint (cp -al, rsync --link-dest) resumes.
         assert rc == 0, err[-3000:]
     else:
-        refused(rc, err, str(run / name))
+        last_error_line(rc, err, str(run / name))
     assert {p: snapshot(p) for p in outside.rglob("*") if p.is_file()} == before
-
-
-# ---- 12, 17. a full or read-only disk under the run directory --------------------------------------
-
-
-def test_a_full_disk_during_a_synchronous_muon_checkpoint_is_one_line(tiny_data, tmp_path):
-    with tmpfs(tmp_path / "mnt", 1 << 20) as mnt:  # less than one checkpoint
-        # A process of its own: the failed run's files must be closed before the unmount.
-        proc = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train", *run_args(
-            tiny_data, mnt / "run", "--optim.name", "muon", "--checkpoint.async_save", "false",
-            "--eval.every", "0", "--train.max_steps", "2")], cwd=ROOT, env=env(),
-            capture_output=True, text=True, timeout=300)
-        refused(proc.returncode, proc.stderr, "no space left on device writing",
-                "a checkpoint needs ~", "no checkpoint of this run is complete")
-        assert not list((mnt / "run" / "checkpoints").iterdir())
-
-
-@pytest.mark.parametrize("disk", ["read_only", "full"])
-def test_an_unwritable_or_full_run_directory_is_one_line(disk, tiny_data, tmp_path, capsys):
-    with tmpfs(tmp_path / "mnt", 8 << 10) as mnt:  # two pages: the lock's, then train.log's
-        if disk == "read_only":
-            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        rc, err = train(capsys, *run_args(tiny_data, mnt / "run", "--train.max_steps", "2"))
-        refused(rc, err, "cannot write", "Read-only file system" if disk == "read_only"
-                else "No space left on device")
-        assert not RunDir(mnt / "run").lock.exists()
 
 
 DIRS = ["checkpoints", STEP, f"{STEP}/tokenizer", "checkpoints/abandoned", "final",
@@ -388,7 +263,7 @@ def test_every_directory_of_a_run_that_is_a_link_or_a_file_is_refused(name, kind
     if kind == "file" and name.endswith("tokenizer"):  # a resume reads the data's, and final/
         assert rc == 0, err[-3000:]  # is replaced whole: nothing is read or written there
     else:
-        refused(rc, err, str(path))
+        last_error_line(rc, err, str(path))
     assert files_of(outside) == before
 
 
@@ -399,7 +274,7 @@ def test_a_link_left_at_a_temporary_name_is_refused(name, run, tiny_data, tmp_pa
     before = snapshot(secret)
     (run / name).symlink_to(secret)
     rc, err = resume(capsys, tiny_data, run)
-    refused(rc, err, name, "symbolic link")
+    last_error_line(rc, err, name, "symbolic link")
     assert snapshot(secret) == before and (run / name).is_symlink()
 
 
@@ -428,5 +303,5 @@ def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(command, run, tiny_data
             "sample": ["--prompt", "x", "--max-new-tokens", "2"],
             "export": ["--hf", str(tmp_path / "hf")]}[command]
     rc = cli([command, "--ckpt", str(run / "final"), *argv])
-    refused(rc, capsys.readouterr().err, "tokenizer/notes is a FIFO")
+    last_error_line(rc, capsys.readouterr().err, "tokenizer/notes is a FIFO")
     assert not (tmp_path / "hf").exists()

@@ -1,14 +1,19 @@
 """One writer per run directory, and no worker outlives its launcher.
 
 A second `lmforge train` into a run directory in use is refused in one line (by the launcher
-before torchrun starts, or by the trainer), a killed run's lock is released by the kernel, and a
-SIGKILL of `lmforge train --nproc 2`'s process group (torchrun starts its workers in sessions of
-their own) stops the workers as a SIGTERM does: they checkpoint and exit within seconds."""
+before torchrun starts, or by the trainer), a killed run's lock is released by the kernel, a lock
+that is a link, a directory or on a read-only disk is one line with its target untouched, a start
+that loses the race deletes nothing of the winner's, and a SIGKILL of `lmforge train --nproc 2`'s
+process group (torchrun starts its workers in sessions of their own) stops the workers as a
+SIGTERM does: they checkpoint and exit within seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
+import subprocess
 import signal
 import sys
 import time
@@ -22,7 +27,9 @@ from lmforge.pipeline.checkpoint import lock as lock_module
 from lmforge.pipeline.checkpoint.lock import check_unlocked, run_lock
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.config import ConfigError
-from tests.errors import proc_error
+from tests.errors import last_error_line, proc_error
+from tests.file_kinds import tmpfs
+from tests.test_run_dir_trust import copied_run, resume, snapshot, train, trained  # noqa: F401
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
 
@@ -113,6 +120,63 @@ def test_a_filesystem_without_flock_is_refused_in_one_line(tmp_path, monkeypatch
     RunDir(run_dir).lock.touch()
     with pytest.raises(ConfigError, match="does not support file locks"):
         check_unlocked(run_dir)
+
+
+# ---- what stands at the lock's name, and a start that loses the race ----------------------------
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "resume"])
+def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(fresh, run, tiny_data, tmp_path,
+                                                                  capsys):
+    run_dir = tmp_path / "new" if fresh else run
+    run_dir.mkdir(exist_ok=True)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("precious\n")
+    before = snapshot(secret)
+    RunDir(run_dir).lock.symlink_to(secret)
+    rc, err = resume(capsys, tiny_data, run_dir)
+    last_error_line(rc, err, "lock", "symbolic link")
+    assert snapshot(secret) == before
+    assert RunDir(run_dir).lock.is_symlink()  # not removed either: the refusal did not create it
+
+
+@pytest.mark.parametrize("kind", ["dir", "readonly"])
+def test_a_lock_that_cannot_be_opened_is_one_line(kind, run, tiny_data, tmp_path, capsys):
+    if kind == "dir":
+        RunDir(run).lock.mkdir()
+        rc, err = resume(capsys, tiny_data, run)
+        last_error_line(rc, err, "lock", "a directory")
+        return
+    with tmpfs(tmp_path / "ro", 16 << 20) as mnt:
+        shutil.copytree(run, mnt / "run")
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        rc, err = resume(capsys, tiny_data, mnt / "run")
+        last_error_line(rc, err, "lock", "Read-only file system")
+
+
+def test_a_start_refused_by_a_racing_winner_leaves_the_winners_directory(tiny_data, tmp_path,
+                                                                        capsys, monkeypatch):
+    """Two starts into one new directory: the winner takes the lock between the loser's look at
+    the directory and its own lock; the loser's refusal must not remove the winner's directory."""
+    run_dir = tmp_path / "run"
+    real = lock_module.check_dir_path
+    with contextlib.ExitStack() as winner:
+
+        def winner_gets_there_first(path, flag):
+            real(path, flag)
+            if not winner._exit_callbacks:  # once (the winner's own start calls this too)
+                winner.callback(lambda: None)
+                winner.enter_context(run_lock(run_dir))
+
+        monkeypatch.setattr(lock_module, "check_dir_path", winner_gets_there_first)
+        rc, err = train(capsys, *run_args(tiny_data, run_dir, "--train.max_steps", "1"))
+        last_error_line(rc, err, "is being written by another run")
+        assert RunDir(run_dir).lock.read_text().startswith(f"pid {os.getpid()} on ")
+        monkeypatch.setattr(lock_module, "check_dir_path", real)
+        rc, err = train(capsys, *run_args(tiny_data, run_dir, "--train.max_steps", "1"))
+        # a third start: still one writer
+        last_error_line(rc, err, "is being written by another run")
+    assert not RunDir(run_dir).lock.exists()  # the winner's own release
 
 
 @pytest.mark.dist

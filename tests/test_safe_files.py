@@ -96,7 +96,8 @@ def test_every_kind_but_a_regular_file_with_one_name_is_refused_for_writing(kind
     """Nothing is written through the link, into the hard link's other name or the device, and
     no mode truncates the file before it is checked."""
     path, before = planted(tmp_path, kind, outside)
-    with within(10), pytest.raises(UnsafeFile, match=re.escape(f"output {path} is {WORDS[kind]}; ")):
+    words = re.escape(f"output {path} is {WORDS[kind]}; ")
+    with within(10), pytest.raises(UnsafeFile, match=words):
         open_fd(path, mode, what="output")
     assert files_under(outside) == before
 

@@ -1,8 +1,8 @@
-"""The default val split of a small corpus (#42 item 9): `lmforge prepare` without --val-fraction
-or --val-docs takes, past the 1% hash rule, the documents with the smallest hashes until val
-holds two eval windows of the 124M preset's 1024 tokens; its summary says so, and says what a
-smaller val split can evaluate. Real files through the CLI, with a byte vocabulary (a document of
-B bytes is B + 1 tokens, its EOT included)."""
+"""The default val split of a small corpus: `lmforge prepare` without --val-fraction or
+--val-docs takes, past the 1% hash rule, the documents with the smallest hashes until val holds
+two eval windows of the 124M preset's 1024 tokens; its summary says so, and says what a smaller
+val split can evaluate. Copies of a document count as one and go to one side. Real files through
+the CLI, with a byte vocabulary (a document of B bytes is B + 1 tokens, its EOT included)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,19 @@ def test_a_tiny_corpus_gives_val_at_most_half_its_documents(tmp_path, capsys):
     m, out = run(capsys, tmp_path, src)
     assert val_texts(m) == by_hash(texts)[:1] and m.num_documents("train") == 2
     assert "val floor" in out and "val holds 201 tokens" in out
+
+
+def test_the_val_floor_counts_copies_of_a_document(tmp_path, capsys):
+    """3 documents, 4 copies each: at most 6 of the 12 may go to val; the copies of one
+    document all go to one side (none leaks into train), so val takes 4."""
+    m, _ = run(capsys, tmp_path, docs_dir(tmp_path, *[f"text number {i % 3}" for i in range(12)]))
+    assert m.num_documents("val") == 4 and m.num_documents("train") == 8
+
+
+def test_a_corpus_of_copies_prepares_with_an_empty_val_and_says_so(tmp_path, capsys):
+    m, out = run(capsys, tmp_path, docs_dir(tmp_path, *["the very same text"] * 5))
+    assert m.num_documents("train") == 5 and m.num_documents("val") == 0
+    assert "val holds 0 tokens" in out
 
 
 def test_parts_split_like_the_whole(tmp_path, capsys):
