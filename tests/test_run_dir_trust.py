@@ -204,6 +204,14 @@ def test_a_checkpoint_missing_a_writers_rng_state_is_refused(run, tiny_data, cap
     last_error_line(rc, err, "rng_rank00000.pt", "missing")
 
 
+def test_an_rng_state_past_its_16_mib_limit_is_refused_unread(run, tiny_data, capsys):
+    """The README's limit for a rank's RNG state (the other formats' limits are
+    tests/test_safe_files.py's); a sparse file, as a crafted one need not fill a disk."""
+    os.truncate(run / STEP / "rng_rank00000.pt", (16 << 20) + 1)
+    rc, err = resume(capsys, tiny_data, run)
+    last_error_line(rc, err, "rng_rank00000.pt", "16,777,216 its format allows")
+
+
 # ---- the seed's range -------------------------------------------------------------------------
 
 
