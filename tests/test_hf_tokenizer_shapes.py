@@ -1,0 +1,81 @@
+"""Hugging Face tokenizers as released models ship them (tests/hf_tok_shapes.py), held to the
+`tokenizers` library itself: `lmforge prepare --tokenizer hf:DIR` writes exactly its ids, on a
+corpus holding every rule's case, or refuses in one `error:` line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lmforge.data_prep.shards import load_manifest, open_shard, read_doc_index
+from lmforge.data_prep.sources import Source
+from lmforge.data_prep.tokenizer import load_tokenizer, load_tokenizer_dir
+from tests.conftest import ROOT, built_once
+from tests.hf_dirs import hf_encode
+from tests.hf_tok_shapes import SHAPES, appended_words, make_shape, shape_corpus
+
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory):
+    root = built_once(tmp_path_factory, "hf_tok_shapes",
+                      lambda root: [make_shape(root / s, s) for s in SHAPES])
+    return {s: root / s for s in SHAPES}
+
+
+def texts_of(tok_dir) -> list[str]:
+    words = appended_words(tok_dir) if (tok_dir / "appended.json").is_file() else []
+    return shape_corpus([w for word in words for w in (word, " " + word, f"a {word}s, {word}")])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_encoding_is_tokenizers(shapes, shape):
+    enc = load_tokenizer(f"hf:{shapes[shape]}")
+    wrong = [t for t in texts_of(shapes[shape]) if enc.encode_ordinary(t) != hf_encode(shapes[shape], t)]
+    assert not wrong, [repr(t[:60]) for t in wrong[:5]]
+    again = load_tokenizer_dir(_saved(enc, shapes[shape].parent / f"{shape}.saved"))
+    assert all(again.encode_ordinary(t) == enc.encode_ordinary(t) for t in texts_of(shapes[shape]))
+
+
+def _saved(enc, path):
+    from lmforge.data_prep.tokenizer import save_tokenizer_dir
+
+    if not path.exists():
+        save_tokenizer_dir(enc, path, "hf", enc.name)
+    return path
+
+
+def prepare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "prepare", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def shard_docs(out) -> list[tuple]:
+    m, docs = load_manifest(out), []
+    for s in m.shards:
+        tokens = open_shard(out / s.file)
+        offsets = read_doc_index(out / s.file, len(tokens))
+        docs += [tuple(d[1:].tolist()) for d in np.split(tokens, offsets[1:])]
+    return docs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prepare_writes_tokenizers_ids(shapes, tmp_path, shape):
+    """Each shape failed before: "lacks 21 of the 256 single-byte tokens" (smollm), <think> as
+    text and Python's NFC (qwen), the text between matches dropped (gaps), appended merges
+    tiktoken applies where `tokenizers` never does (appended)."""
+    tok_dir, src = shapes[shape], tmp_path / "src"
+    src.mkdir()
+    texts = [t for t in texts_of(tok_dir) if t.strip()]
+    for i, text in enumerate(texts):
+        (src / f"{i:04d}.txt").write_bytes(text.encode())
+    out = tmp_path / "data"
+    res = prepare("--source", str(src), "--tokenizer", f"hf:{tok_dir}", "--out", str(out),
+                  "--val-docs", "4", "--workers", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    expected = sorted(tuple(hf_encode(tok_dir, t)) for t in Source(str(src)))
+    assert sorted(shard_docs(out)) == expected
