@@ -78,7 +78,9 @@ def load_tokenizer(spec: str) -> Encoding:
                             hf.eot, hf.bos, hf.normalizer, hf.text_tokens)
         enc.hf_files = hf.files
         return enc
-    path = Path(spec)
+    # A path the user names may be a link (README, "Trust"): it is resolved once, here; nothing
+    # inside it, nor next to it, is followed.
+    path = Path(os.path.realpath(spec)) if os.path.islink(spec) else Path(spec)
     if path.is_dir():
         return load_tokenizer_dir(path)
     if os.path.lexists(path):  # a link or special file is refused by the reader, by its kind
