@@ -79,3 +79,27 @@ def test_prepare_writes_tokenizers_ids(shapes, tmp_path, shape):
     assert res.returncode == 0, res.stderr[-2000:]
     expected = sorted(tuple(hf_encode(tok_dir, t)) for t in Source(str(src)))
     assert sorted(shard_docs(out)) == expected
+
+
+def test_export_round_trips(tmp_path):
+    """lmforge's own `export --hf` tokenizer.json (transformers' TikTokenConverter lists every
+    split of every token, so merges name parts ranked above the token they make) read back as
+    hf:: the same ids as the tokenizer it was exported from. It was refused ("tiktoken would
+    merge in another order")."""
+    pytest.importorskip("transformers")
+    from lmforge.launch.export import save_hf_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(t for t in shape_corpus() if t.strip()):
+        (src / f"{i:04d}.txt").write_bytes(text.encode())
+    res = prepare("--source", str(src), "--tokenizer", "bpe:700", "--out", str(tmp_path / "a"),
+                  "--val-docs", "4", "--workers", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    exported = tmp_path / "export"
+    exported.mkdir()
+    save_hf_tokenizer(tmp_path / "a" / "tokenizer", exported, 64)
+    res = prepare("--source", str(src), "--tokenizer", f"hf:{exported}", "--out", str(tmp_path / "b"),
+                  "--val-docs", "4", "--workers", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(shard_docs(tmp_path / "a")) == sorted(shard_docs(tmp_path / "b"))
