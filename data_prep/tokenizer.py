@@ -275,6 +275,21 @@ def token_byte_lengths(enc: tiktoken.Encoding) -> np.ndarray:
     return out
 
 
+def _vocab_bytes(enc: tiktoken.Encoding) -> bytes:
+    """vocab.tiktoken's bytes: one "base64 rank" a line, by rank (tiktoken's own
+    dump_tiktoken_bpe needs blobfile)."""
+    ranks = sorted(mergeable_ranks(enc).items(), key=lambda kv: kv[1])
+    return b"".join(f"{base64.b64encode(tok).decode()} {rank}\n".encode() for tok, rank in ranks)
+
+
+def identity(enc: tiktoken.Encoding) -> dict:
+    """What makes two tokenizers one: the same ids for every text, and the same ids around it."""
+    return {"sha256": hashlib.sha256(_vocab_bytes(enc)).hexdigest(), "pattern": enc._pat_str,
+            "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc), "bos_id": bos_id(enc),
+            "normalizer": getattr(enc, "normalizer", None),
+            "text_tokens": getattr(enc, "text_tokens", {})}
+
+
 def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
                        name: str) -> dict:
     """Write DIR/vocab.tiktoken and DIR/tokenizer.json; returns the tokenizer.json dict.
@@ -283,23 +298,30 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     check_dir(directory, what="tokenizer directory")  # a link to one elsewhere is not written
-    # tiktoken's own dump_tiktoken_bpe needs blobfile; the format is one "base64 rank" per line.
-    ranks = sorted(mergeable_ranks(enc).items(), key=lambda kv: kv[1])
-    lines = (f"{base64.b64encode(tok).decode()} {rank}\n".encode() for tok, rank in ranks)
-    atomic_write_bytes(directory / VOCAB_FILE, [b"".join(lines)])
-    meta = {
-        "name": name, "kind": kind, "pattern": enc._pat_str,
-        "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc), "bos_id": bos_id(enc),
-        "normalizer": getattr(enc, "normalizer", None),
-        "text_tokens": getattr(enc, "text_tokens", {}),
-        "n_vocab": enc.n_vocab, "vocab_size": enc.n_vocab,
-        "sha256": file_sha256(directory / VOCAB_FILE),
-    }
+    atomic_write_bytes(directory / VOCAB_FILE, [_vocab_bytes(enc)])
+    meta = {"name": name, "kind": kind, **identity(enc), "n_vocab": enc.n_vocab,
+            "vocab_size": enc.n_vocab, "sha256": file_sha256(directory / VOCAB_FILE)}
     atomic_write_bytes(directory / META_FILE, [(json.dumps(meta, indent=2) + "\n").encode()])
     for file, data in getattr(enc, "hf_files", {}).items():
         (directory / HF_FILES).mkdir(exist_ok=True)
         atomic_write_bytes(directory / HF_FILES / file, [data])
     return meta
+
+
+def check_tokenizer_is(tokenizer_dir: Path | str, hf_dir: Path | str) -> None:
+    """DataError unless a dataset's tokenizer (OUT/tokenizer) is the one in the Hugging Face
+    directory `hf_dir` (its tokenizer.json; none there: nothing to hold it against). `init_from
+    DIR` trains DIR's weights, which read each id as DIR's tokenizer means it: a dataset of
+    another tokenizer with as many ids would train them on text they do not mean."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "tokenizer.json").is_file():
+        return
+    ours = read_tokenizer_meta(tokenizer_dir)
+    theirs = json.loads(json.dumps(identity(load_tokenizer(f"{HF_PREFIX}{hf_dir}"))))
+    if diff := [k for k, v in theirs.items() if ours.get(k, {} if k == "text_tokens" else None) != v]:
+        raise DataError(f"{Path(tokenizer_dir).parent} was prepared with another tokenizer than "
+                        f"{hf_dir}'s ({', '.join(diff)} differ), so its ids mean other text to "
+                        f"that model; prepare the data with --tokenizer hf:{hf_dir}")
 
 
 def read_tokenizer_meta(directory: Path | str) -> dict:

@@ -103,3 +103,24 @@ def test_export_round_trips(tmp_path):
                   "--val-docs", "4", "--workers", "1")
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(shard_docs(tmp_path / "a")) == sorted(shard_docs(tmp_path / "b"))
+
+
+def test_init_from_refuses_data_of_another_tokenizer(shapes, tmp_path):
+    """`init_from DIR` held the dataset's tokenizer against DIR's by its id count alone: data of
+    another 640-id tokenizer trained DIR's weights on ids that mean other text."""
+    pytest.importorskip("transformers")
+    from tests.hf_dirs import make_model, make_tokenizer, run_args
+
+    model = tmp_path / "model"
+    make_model(model, shard=None, tok_dir=make_tokenizer(tmp_path / "tok", "gpt2"))
+    data = tmp_path / "data"
+    res = prepare("--source", "builtin:pystdlib", "--max-docs", "40", "--val-docs", "4",
+                  "--tokenizer", f"hf:{shapes['smollm']}", "--out", str(data), "--workers", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "lmforge.launch.cli", "train",
+                          *run_args(data, run, "--checkpoint.init_from", str(model))],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "another tokenizer" in errors[0] and "sha256" in errors[0] and not run.exists()
