@@ -78,7 +78,8 @@ def appended_words(tok_dir: Path) -> list[str]:
 
 def _append_merges(path: Path, tok) -> None:
     """Extend the vocabulary by 8 tokens "Ġword" + "tail", each with its merge appended: four
-    that `tokenizers` reaches (base BPE ends at the two parts), four it never does."""
+    that `tokenizers` reaches (base BPE ends at the two parts), four it never does (base BPE
+    ends at two other parts, which tiktoken, merging any two parts a token is made of, joins)."""
     from lmforge.data_prep.hf_tokenizer import bytes_to_unicode
 
     j = json.loads(path.read_text())
@@ -88,7 +89,7 @@ def _append_merges(path: Path, tok) -> None:
     picked: dict[bool, list] = {True: [], False: []}
     for a, b in ((a, b) for a in heads for b in tails if a + b not in vocab):
         parts = [t.value for t in tok.model.tokenize(a + b)]
-        if len(picked[parts == [a, b]]) < 4:
+        if len(parts) == 2 and len(picked[parts == [a, b]]) < 4:
             picked[parts == [a, b]].append((a, b))
         if len(picked[True]) == len(picked[False]) == 4:
             break

@@ -4,6 +4,7 @@ corpus holding every rule's case, or refuses in one `error:` line."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -124,3 +125,33 @@ def test_init_from_refuses_data_of_another_tokenizer(shapes, tmp_path):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "another tokenizer" in errors[0] and "sha256" in errors[0] and not run.exists()
+
+
+def _edited(src, tmp_path, edit):
+    d = tmp_path / "tok"
+    d.mkdir()
+    j = json.loads((src / "tokenizer.json").read_text())
+    edit(j["model"])
+    (d / "tokenizer.json").write_text(json.dumps(j))
+    (d / "tokenizer_config.json").write_bytes((src / "tokenizer_config.json").read_bytes())
+    return d
+
+
+def _swap(model):
+    model["merges"][10], model["merges"][200] = model["merges"][200], model["merges"][10]
+
+
+@pytest.mark.parametrize("edit,named", [
+    (_swap, "merges by merge order"),  # `tokenizers` merges by list order, tiktoken by id: they disagree
+    # whole words an appended merge makes are given whole (ignore_merges), but inside a longer
+    # word tiktoken would still join the parts `tokenizers` leaves apart
+    (lambda m: m.update(ignore_merges=True), "is made from its bytes as"),
+])
+def test_merges_tiktoken_cannot_follow_are_one_line(shapes, tmp_path, edit, named):
+    d = _edited(shapes["appended"], tmp_path, edit)
+    out = tmp_path / "data"
+    res = prepare("--source", "builtin:pystdlib", "--max-docs", "3", "--tokenizer", f"hf:{d}",
+                  "--out", str(out))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert named in lines[0] and not out.exists()
