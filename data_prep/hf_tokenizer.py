@@ -148,8 +148,11 @@ def _vocab_bytes(model: dict, added: dict[str, int], directory: Path):
     if model.get("type") != "BPE" or odd:
         raise _refuse(directory, f"model {model.get('type')} {odd or ''} is not byte-level BPE")
     vocab = _typed(model.get("vocab", {}), dict, "model.vocab", path)
-    if bad := next((t for t, i in vocab.items() if not isinstance(i, int) or isinstance(i, bool)), None):
-        _typed(vocab[bad], int, f"model.vocab[{bad!r}]", path)
+    for t, i in vocab.items():
+        _typed(i, int, f"model.vocab[{t!r}]", path)
+    if "" in vocab:
+        raise DataError(f"{path}: model.vocab holds an empty token; the file is malformed: "
+                        "download it again")
     if clash := [t for t, i in added.items() if t in vocab and vocab[t] != i]:
         raise _refuse(directory, f"added token {clash[0]!r} has another id in the vocabulary")
     to_byte = {c: b for b, c in bytes_to_unicode().items()}

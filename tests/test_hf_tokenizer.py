@@ -118,6 +118,7 @@ MALFORMED = {
     "model a string": _set(["model"], "BPE"),
     "vocab a list": _set(["model", "vocab"], ["a", "b"]),
     "vocab id a string": _set(["model", "vocab", "a"], "7"),
+    "vocab of an empty token": _set(["model", "vocab", ""], 700),
     "merges a dict": _set(["model", "merges"], {"a": "b"}),
     "merge an int": _set(["model", "merges", 0], 5),
     "merge of three": _set(["model", "merges", 0], ["Ġ", "Ġ", "Ġ"]),
