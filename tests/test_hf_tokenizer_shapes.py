@@ -155,3 +155,13 @@ def test_merges_tiktoken_cannot_follow_are_one_line(shapes, tmp_path, edit, name
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.stderr
     assert named in lines[0] and not out.exists()
+
+
+def test_nfc_without_the_tokenizers_package_is_refused(shapes, monkeypatch):
+    """NFC is applied by `tokenizers`' tables, never Python's (another Unicode version): where
+    the package is missing, an NFC tokenizer is refused rather than normalised otherwise."""
+    from lmforge.data_prep.errors import DataError
+
+    monkeypatch.setitem(sys.modules, "tokenizers.normalizers", None)  # import fails
+    with pytest.raises(DataError, match="pip install tokenizers"):
+        load_tokenizer(f"hf:{shapes['qwen']}")
