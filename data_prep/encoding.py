@@ -89,7 +89,9 @@ class Encoding(tiktoken.Encoding):
             if i % 2:
                 ids.append(self.text_tokens[raw][0])
                 continue
-            for j, part in enumerate(_split_on(self._normed, self._normal(raw) if self._normal else raw)):
+            # ASCII text is its own NFC (no ASCII character decomposes or composes)
+            normal = raw if self._normal is None or raw.isascii() else self._normal(raw)
+            for j, part in enumerate(_split_on(self._normed, normal)):
                 ids += [self.text_tokens[part][0]] if j % 2 else self._bpe(part)
         return ids
 
