@@ -188,7 +188,10 @@ def make_encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dic
         raise DataError(f"tokenizer {name!r}: special token {clash[0]} has the id of a "
                         "mergeable token; give special tokens ids past the ranks")
     check_id_range(name, ids | set(special.values()))
-    if not all(t in special and special[t] == v[0] for t, v in (text_tokens or {}).items()):
+    text_tokens = text_tokens or {}
+    if not isinstance(text_tokens, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[1], bool) and special.get(t) == v[0]
+            for t, v in text_tokens.items()):
         raise DataError(f"tokenizer {name!r}: its text tokens are not among its special tokens "
                         "with the same ids; re-run `lmforge prepare`")
     try:
