@@ -38,6 +38,12 @@ def nfc_normalizer():
     return NFC().normalize_str
 
 
+def _replaced(text: str) -> str:
+    """`text` with lone surrogates (no UTF-8 has them) as U+FFFD, as tiktoken's encode_ordinary
+    replaces them."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def _finder(tokens: list[str]) -> re.Pattern | None:
     """A pattern finding `tokens` leftmost-longest (the longest first among equal starts)."""
     if not tokens:
@@ -90,18 +96,24 @@ class Encoding(tiktoken.Encoding):
                 ids.append(self.text_tokens[raw][0])
                 continue
             # ASCII text is its own NFC (no ASCII character decomposes or composes)
-            normal = raw if self._normal is None or raw.isascii() else self._normal(raw)
+            normal = raw if self._normal is None or raw.isascii() else self._nfc(raw)
             for j, part in enumerate(_split_on(self._normed, normal)):
                 ids += [self.text_tokens[part][0]] if j % 2 else self._bpe(part)
         return ids
+
+    def _nfc(self, text: str) -> str:
+        try:
+            return self._normal(text)
+        except UnicodeEncodeError:  # lone surrogates, which `tokenizers` cannot take
+            return self._normal(_replaced(text))
 
     def _bpe(self, text: str) -> list[int]:
         if not text:
             return []
         try:
             data = text.encode()
-        except UnicodeEncodeError:  # lone surrogates: as tiktoken's encode_ordinary replaces them
-            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        except UnicodeEncodeError:
+            text = _replaced(text)
             data = text.encode()
         if not self._missing or len(data.translate(None, self._missing)) == len(data):
             return super().encode_ordinary(text)

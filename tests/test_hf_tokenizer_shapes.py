@@ -165,3 +165,16 @@ def test_nfc_without_the_tokenizers_package_is_refused(shapes, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers.normalizers", None)  # import fails
     with pytest.raises(DataError, match="pip install tokenizers"):
         load_tokenizer(f"hf:{shapes['qwen']}")
+
+
+def test_lone_surrogates_in_jsonl(shapes, tmp_path):
+    """A JSONL "\\ud800" escape is a lone surrogate, which `tokenizers` (its NFC) cannot take:
+    encoded as U+FFFD, as tiktoken's own encode_ordinary does, instead of a traceback."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "caf\\u00e9 \\ud800 x <think>\\udfff</think>"}\n{"text": "plain"}\n')
+    out = tmp_path / "data"
+    res = prepare("--source", str(src), "--tokenizer", f"hf:{shapes['qwen']}", "--out", str(out),
+                  "--val-docs", "1", "--workers", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    expected = [hf_encode(shapes["qwen"], t) for t in ("café \ufffd x <think>\ufffd</think>", "plain")]
+    assert sorted(shard_docs(out)) == sorted(map(tuple, expected))
