@@ -18,13 +18,13 @@ import binascii
 import hashlib
 import json
 import os
-import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import tiktoken
 
+from lmforge.data_prep.encoding import EOT, Encoding
 from lmforge.data_prep.errors import DataError
 from lmforge.data_prep.hf_tokenizer import read_hf_tokenizer
 from lmforge.data_prep.safe_files import (
@@ -37,7 +37,6 @@ from lmforge.data_prep.safe_files import (
 from lmforge.data_prep.shards import load_manifest
 from lmforge.data_prep.tokenizer_checks import check_id_range, probe_pattern
 
-EOT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
 HF_PREFIX = "hf:"
 VOCAB_FILE = "vocab.tiktoken"
@@ -71,43 +70,17 @@ KNOWN_VOCABS: dict[int, tuple[str, str, dict[str, int]]] = {
 }
 
 
-class Encoding(tiktoken.Encoding):
-    """tiktoken's Encoding, plus what opens every document in the shards (the end-of-text token,
-    then the tokenizer's own BOS where it adds one, as Llama 3's does) and the Unicode
-    normalisation a tokenizer applies before splitting (Qwen's NFC)."""
-
-    def __init__(self, name: str, pat_str: str, mergeable_ranks: dict[bytes, int],
-                 special_tokens: dict[str, int], eot: str = EOT, bos: str | None = None,
-                 normalizer: str | None = None):
-        super().__init__(name=name, pat_str=pat_str, mergeable_ranks=mergeable_ranks,
-                         special_tokens=special_tokens)
-        self.eot_name, self.bos_name, self.normalizer = eot, bos, normalizer
-        self.hf_files: dict[str, bytes] = {}  # hf:DIR's tokenizer files, saved under HF_FILES
-
-    def __getstate__(self) -> dict:  # tiktoken's pickles only its own four fields
-        return {"name": self.name, "pat_str": self._pat_str, "mergeable_ranks": self._mergeable_ranks,
-                "special_tokens": self._special_tokens, "eot": self.eot_name, "bos": self.bos_name,
-                "normalizer": self.normalizer}
-
-    def _normal(self, text: str) -> str:
-        return unicodedata.normalize(self.normalizer, text) if self.normalizer else text
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        return super().encode_ordinary(self._normal(text))
-
-    def encode_to_numpy(self, text: str, **kwargs) -> np.ndarray:
-        return super().encode_to_numpy(self._normal(text), **kwargs)
-
-
 def load_tokenizer(spec: str) -> Encoding:
     """An Encoding from a name, a `.tiktoken` path, a tokenizer directory or `hf:DIR`."""
     if spec.startswith(HF_PREFIX):
         hf = read_hf_tokenizer(Path(spec.removeprefix(HF_PREFIX)))
-        enc = make_encoding(hf.name, hf.pattern, check_ranks(hf.ranks, Path(spec)), hf.special,
-                            hf.eot, hf.bos, hf.normalizer)
+        enc = make_encoding(hf.name, hf.pattern, check_ranks(hf.ranks, Path(spec), True), hf.special,
+                            hf.eot, hf.bos, hf.normalizer, hf.text_tokens)
         enc.hf_files = hf.files
         return enc
-    path = Path(spec)
+    # A path the user names may be a link (README, "Trust"): it is resolved once, here; nothing
+    # inside it, nor next to it, is followed.
+    path = Path(os.path.realpath(spec)) if os.path.islink(spec) else Path(spec)
     if path.is_dir():
         return load_tokenizer_dir(path)
     if os.path.lexists(path):  # a link or special file is refused by the reader, by its kind
@@ -126,7 +99,7 @@ def load_tokenizer(spec: str) -> Encoding:
                     "file, a tokenizer directory, hf:DIR (a Hugging Face model directory), or bpe:N")
 
 
-def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
+def _parse_ranks(data: bytes, path: Path, byte_gaps: bool = False) -> dict[bytes, int]:
     """tiktoken's "base64 rank" lines, parsed from bytes already read (and, for a tokenizer
     directory, already hashed). Never through `load_tiktoken_bpe`: it caches files by the sha1 of
     their path string in a shared temp folder, so another vocabulary prepared at the same
@@ -141,18 +114,20 @@ def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
         except (ValueError, binascii.Error) as e:
             raise DataError(f"{path} is not a .tiktoken vocabulary (line {n}: {e}); give a "
                             "tiktoken base64-ranks file") from None
-    return check_ranks(ranks, path)
+    return check_ranks(ranks, path, byte_gaps)
 
 
-def check_ranks(ranks: dict[bytes, int], path: Path) -> dict[bytes, int]:
-    """`ranks`, refused unless tiktoken can encode every text with them."""
+def check_ranks(ranks: dict[bytes, int], path: Path, byte_gaps: bool = False) -> dict[bytes, int]:
+    """`ranks`, refused unless every text can be encoded with them. `byte_gaps`: a single byte
+    without a token is dropped from its piece, as `tokenizers` does (a Hugging Face tokenizer's
+    vocabulary, data_prep/encoding.py); elsewhere it is refused."""
     if not ranks:
         raise DataError(f"{path} holds no tokens; give a non-empty .tiktoken file")
     # Checked here because tiktoken's Rust core panics (an exception `except Exception` misses)
     # on a rank given twice, and on encoding a byte that has no token of its own.
     if len(set(ranks.values())) != len(ranks):
         raise DataError(f"{path} gives two tokens the same rank; give each token its own rank")
-    if missing := [b for b in range(256) if bytes([b]) not in ranks]:
+    if (missing := [b for b in range(256) if bytes([b]) not in ranks]) and not byte_gaps:
         raise DataError(f"{path} lacks {len(missing)} of the 256 single-byte tokens (byte "
                         f"{missing[0]:#04x} first), so some text cannot be encoded; a byte-level "
                         "BPE vocabulary has all of them")
@@ -198,7 +173,8 @@ def _from_tiktoken_file(path: Path) -> tiktoken.Encoding:
 
 
 def make_encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
-              eot: str = EOT, bos: str | None = None, normalizer: str | None = None) -> Encoding:
+              eot: str = EOT, bos: str | None = None, normalizer: str | None = None,
+              text_tokens: dict[str, list] | None = None) -> Encoding:
     if not isinstance(special, dict) or eot not in special or (bos is not None and bos not in special):
         raise DataError(f"tokenizer {name!r} has no {eot} special token; add it to the "
                         "special_tokens of its sidecar/tokenizer.json")
@@ -212,8 +188,16 @@ def make_encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dic
         raise DataError(f"tokenizer {name!r}: special token {clash[0]} has the id of a "
                         "mergeable token; give special tokens ids past the ranks")
     check_id_range(name, ids | set(special.values()))
+    text_tokens = text_tokens or {}
+    if not isinstance(text_tokens, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[1], bool) and special.get(t) == v[0]
+            for t, v in text_tokens.items()):
+        raise DataError(f"tokenizer {name!r}: its text tokens are not among its special tokens "
+                        "with the same ids; re-run `lmforge prepare`")
     try:
-        enc = Encoding(name, pattern, ranks, special, eot, bos, normalizer)
+        enc = Encoding(name, pattern, ranks, special, eot, bos, normalizer, text_tokens)
+    except DataError:
+        raise
     except Exception as e:  # tiktoken's Rust core raises on bad patterns or clashing ids
         raise DataError(f"tokenizer {name!r} is inconsistent ({e}); check its pattern and "
                         "special token ids") from None
@@ -289,7 +273,24 @@ def token_byte_lengths(enc: tiktoken.Encoding) -> np.ndarray:
     out = np.zeros(enc.n_vocab, dtype=np.int32)
     for token, i in mergeable_ranks(enc).items():
         out[i] = len(token)
+    for text, (i, _) in getattr(enc, "text_tokens", {}).items():  # found in text: its bytes
+        out[i] = len(text.encode())
     return out
+
+
+def _vocab_bytes(enc: tiktoken.Encoding) -> bytes:
+    """vocab.tiktoken's bytes: one "base64 rank" a line, by rank (tiktoken's own
+    dump_tiktoken_bpe needs blobfile)."""
+    ranks = sorted(mergeable_ranks(enc).items(), key=lambda kv: kv[1])
+    return b"".join(f"{base64.b64encode(tok).decode()} {rank}\n".encode() for tok, rank in ranks)
+
+
+def identity(enc: tiktoken.Encoding) -> dict:
+    """What makes two tokenizers one: the same ids for every text, and the same ids around it."""
+    return {"sha256": hashlib.sha256(_vocab_bytes(enc)).hexdigest(), "pattern": enc._pat_str,
+            "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc), "bos_id": bos_id(enc),
+            "normalizer": getattr(enc, "normalizer", None),
+            "text_tokens": getattr(enc, "text_tokens", {})}
 
 
 def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
@@ -300,22 +301,30 @@ def save_tokenizer_dir(enc: tiktoken.Encoding, directory: Path | str, kind: str,
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     check_dir(directory, what="tokenizer directory")  # a link to one elsewhere is not written
-    # tiktoken's own dump_tiktoken_bpe needs blobfile; the format is one "base64 rank" per line.
-    ranks = sorted(mergeable_ranks(enc).items(), key=lambda kv: kv[1])
-    lines = (f"{base64.b64encode(tok).decode()} {rank}\n".encode() for tok, rank in ranks)
-    atomic_write_bytes(directory / VOCAB_FILE, [b"".join(lines)])
-    meta = {
-        "name": name, "kind": kind, "pattern": enc._pat_str,
-        "special_tokens": dict(enc._special_tokens), "eot_id": eot_id(enc), "bos_id": bos_id(enc),
-        "normalizer": getattr(enc, "normalizer", None),
-        "n_vocab": enc.n_vocab, "vocab_size": enc.n_vocab,
-        "sha256": file_sha256(directory / VOCAB_FILE),
-    }
+    atomic_write_bytes(directory / VOCAB_FILE, [_vocab_bytes(enc)])
+    meta = {"name": name, "kind": kind, **identity(enc), "n_vocab": enc.n_vocab,
+            "vocab_size": enc.n_vocab, "sha256": file_sha256(directory / VOCAB_FILE)}
     atomic_write_bytes(directory / META_FILE, [(json.dumps(meta, indent=2) + "\n").encode()])
     for file, data in getattr(enc, "hf_files", {}).items():
         (directory / HF_FILES).mkdir(exist_ok=True)
         atomic_write_bytes(directory / HF_FILES / file, [data])
     return meta
+
+
+def check_tokenizer_is(tokenizer_dir: Path | str, hf_dir: Path | str) -> None:
+    """DataError unless a dataset's tokenizer (OUT/tokenizer) is the one in the Hugging Face
+    directory `hf_dir` (its tokenizer.json; none there: nothing to hold it against). `init_from
+    DIR` trains DIR's weights, which read each id as DIR's tokenizer means it: a dataset of
+    another tokenizer with as many ids would train them on text they do not mean."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "tokenizer.json").is_file():
+        return
+    ours = read_tokenizer_meta(tokenizer_dir)
+    theirs = json.loads(json.dumps(identity(load_tokenizer(f"{HF_PREFIX}{hf_dir}"))))
+    if diff := [k for k, v in theirs.items() if ours.get(k, {} if k == "text_tokens" else None) != v]:
+        raise DataError(f"{Path(tokenizer_dir).parent} was prepared with another tokenizer than "
+                        f"{hf_dir}'s ({', '.join(diff)} differ), so its ids mean other text to "
+                        f"that model; prepare the data with --tokenizer hf:{hf_dir}")
 
 
 def read_tokenizer_meta(directory: Path | str) -> dict:
@@ -354,8 +363,9 @@ def load_tokenizer_dir(directory: Path | str) -> tiktoken.Encoding:
         raise DataError(f"{directory / META_FILE} lacks {e}; re-run `lmforge prepare`") from None
     names = {i: t for t, i in special.items()} if isinstance(special, dict) else {}
     eot, bos = names.get(meta.get("eot_id"), EOT), names.get(meta.get("bos_id"))
-    enc = make_encoding(name, pattern, _parse_ranks(vocab, directory / VOCAB_FILE), special, eot, bos,
-                    meta.get("normalizer"))
+    ranks = _parse_ranks(vocab, directory / VOCAB_FILE, meta.get("kind") == "hf")
+    enc = make_encoding(name, pattern, ranks, special, eot, bos, meta.get("normalizer"),
+                        meta.get("text_tokens"))
     if enc.n_vocab != n_vocab:
         raise DataError(f"{directory}: n_vocab {enc.n_vocab} != {n_vocab} in {META_FILE}; "
                         "copy the tokenizer directory again from the dataset")

@@ -18,7 +18,7 @@ import tiktoken
 import torch
 
 from lmforge.data_prep.shards import load_manifest
-from lmforge.data_prep.tokenizer import dataset_tokenizer, token_byte_lengths
+from lmforge.data_prep.tokenizer import check_tokenizer_is, dataset_tokenizer, token_byte_lengths
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline import attention, budget
 from lmforge.pipeline.checkpoint import format as ckpt
@@ -153,6 +153,7 @@ class Trainer:
         self.lineage, self.parent_step = ckpt.new_lineage(), None
         self.source = None  # the Hugging Face model the run started from (checkpoint.init_from)
         if cfg.checkpoint.init_from and resume_meta is None:
+            check_tokenizer_is(self.data.tokenizer_dir, cfg.checkpoint.init_from)
             self.source = start_from(self.model, Path(cfg.checkpoint.init_from))
         if resume_meta is not None:
             self._resume(resume_from, resume_meta)

@@ -100,3 +100,82 @@ def test_unsupported_tokenizer_is_one_line(tmp_path, kind):
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.stderr
     assert named in lines[0] and "byte-level" in lines[0]
     assert not out.exists()
+
+
+def _set(path: list, value):
+    """A mutation of tokenizer.json setting the field at `path` to `value`."""
+    def mutate(j):
+        for key in path[:-1]:
+            j = j[key]
+        j[path[-1]] = value
+    return mutate
+
+
+# Each field of tokenizer.json / tokenizer_config.json made another type than the format's:
+# #62 item 14 found a traceback for every one.
+MALFORMED = {
+    "file a list": lambda j: [j],
+    "model a string": _set(["model"], "BPE"),
+    "vocab a list": _set(["model", "vocab"], ["a", "b"]),
+    "vocab id a string": _set(["model", "vocab", "a"], "7"),
+    "vocab of an empty token": _set(["model", "vocab", ""], 700),
+    "merges a dict": _set(["model", "merges"], {"a": "b"}),
+    "merge an int": _set(["model", "merges", 0], 5),
+    "merge of three": _set(["model", "merges", 0], ["Ġ", "Ġ", "Ġ"]),
+    "merge of an unknown token": _set(["model", "merges", 0], ["Ġ", "zzzq"]),
+    "ignore_merges a string": _set(["model", "ignore_merges"], "yes"),
+    "added_tokens a dict": _set(["added_tokens"], {"id": 0}),
+    "added token a string": _set(["added_tokens", 0], "<|endoftext|>"),
+    "added token id a string": _set(["added_tokens", 0, "id"], "0"),
+    "added token content an int": _set(["added_tokens", 1, "content"], 7),
+    "added token special a string": _set(["added_tokens", 1, "special"], "false"),
+    "pre_tokenizer a string": _set(["pre_tokenizer"], "ByteLevel"),
+    "pretokenizers a dict": _set(["pre_tokenizer", "pretokenizers"], {"type": "Split"}),
+    "a pretokenizer a list": _set(["pre_tokenizer", "pretokenizers", 0], []),
+    "split regex an int": _set(["pre_tokenizer", "pretokenizers", 0, "pattern", "Regex"], 5),
+    "use_regex a string": _set(["pre_tokenizer", "pretokenizers", 1, "use_regex"], "no"),
+    "normalizer a list": _set(["normalizer"], ["NFC"]),
+    "normalizers a string": _set(["normalizer"], {"type": "Sequence", "normalizers": "NFC"}),
+    "post_processor a list": _set(["post_processor"], [1]),
+    "template single a string": _set(["post_processor", "single"], "$A"),
+    "template item a string": _set(["post_processor", "single", 0], "<|begin_of_text|>"),
+    "special token id a dict": _set(["post_processor", "single", 0, "SpecialToken", "id"], {}),
+    "nested 100,000 deep": lambda j: None,  # the text is written below
+}
+CONFIG_MALFORMED = {"config a list": [1], "eos_token an int": {"eos_token": 5},
+                    "eos_token a list": {"eos_token": ["<|endoftext|>"]}}
+
+
+@pytest.mark.parametrize("case", [*MALFORMED, *CONFIG_MALFORMED])
+def test_malformed_field_is_one_error(hf_tokenizers, tmp_path, case):
+    from lmforge.data_prep.errors import DataError
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    j = json.loads((hf_tokenizers["llama3"] / "tokenizer.json").read_text())
+    if case in MALFORMED:
+        j = MALFORMED[case](j) or j
+        text = json.dumps(j) if case != "nested 100,000 deep" else "[" * 100_000 + "]" * 100_000
+        (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    else:
+        text = json.dumps(j)
+        (d / "tokenizer_config.json").write_text(json.dumps(CONFIG_MALFORMED[case]))
+    (d / "tokenizer.json").write_text(text)
+    with pytest.raises(DataError) as e:
+        load_tokenizer(f"hf:{d}")
+    assert "\n" not in str(e.value) and "tok" in str(e.value)
+
+
+def test_malformed_through_the_cli(hf_tokenizers, tmp_path):
+    d = tmp_path / "tok"
+    d.mkdir()
+    j = json.loads((hf_tokenizers["gpt2"] / "tokenizer.json").read_text())
+    j["added_tokens"][0]["id"] = "0"
+    (d / "tokenizer.json").write_text(json.dumps(j))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    out = tmp_path / "data"
+    res = prepare("--source", "builtin:pystdlib", "--max-docs", "3", "--tokenizer", f"hf:{d}",
+                  "--out", str(out))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert "added_tokens[0].id" in lines[0] and not out.exists()
