@@ -110,3 +110,73 @@ def llama_greedy(llm, ids: list[int], n: int, stop: int) -> list[int]:
         out.append(nxt)
         llm.eval([nxt])
     return out
+
+
+def split_tokenizer(out: Path, style: str) -> Path:
+    """tests/hf_dirs.py's tokenizers, and Qwen2's: its Split regex (single digits) + NFC."""
+    if style != "qwen2":
+        return make_tokenizer(out, style)
+    from lmforge.launch.export_gguf import QWEN2_PATTERN
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=[EOS],
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    return out
+
+
+def random_model(out: Path, arch: str, tok: Path, **extra) -> Path:
+    """A random tiny `arch` (Qwen2 / Llama) of the tokenizer in `tok`, saved with its files."""
+    import transformers
+
+    torch.manual_seed(0)
+    conf, model = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                   "llama": ("LlamaConfig", "LlamaForCausalLM")}[arch]
+    cfg = getattr(transformers, conf)(
+        vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, **extra)
+    m = getattr(transformers, model)(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(std=0.25 if p.dim() == 2 else 1.0)
+    m.save_pretrained(out)
+    for f in tok.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+# Llama 3.2's scaling (factor 32) over a short original context, so that the tiny model's
+# frequencies fall in all three of its bands.
+LLAMA3_SCALING = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def llama3_factors(theta: float, dim: int, factor: float, low: float, high: float,
+                   old: int) -> list[float]:
+    """rope_freqs as llama.cpp's convert_hf_to_gguf.py computes it (LlamaModel), verbatim."""
+    import math
+
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# llama.cpp for the llama.cpp checks of tests/test_gguf.py (they skip, saying why, without it):
+# llama-cpp-python built from its sdist (llama.cpp itself, vendored, CPU backend) into the
+# Python that runs the tests. No binary wheel is taken: PyPI has none for every CPU, and a
+# build for this machine is what the checks should run. ~30 min on 2 cores.
+#
+#   bash bench/install_llama_cpp.sh            # the version the checks were written against
+#   bash bench/install_llama_cpp.sh SDIST.tar.gz  # a local sdist (offline)
+#   PYTHON=.venv/bin/python bash bench/install_llama_cpp.sh
+set -euo pipefail
+PYTHON=${PYTHON:-python}
+VERSION=0.3.36
+SOURCE=${1:-llama-cpp-python==$VERSION}
+# Examples, tests, server and tools are not needed to load a GGUF from Python: built, they
+# double the time.
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF"
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+"$PYTHON" -m pip install --no-binary llama-cpp-python "$SOURCE"
+"$PYTHON" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'installed')"
