@@ -220,11 +220,10 @@ def add_model(w, cfg: ModelConfig, arch: str, dtype: str) -> None:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def write_gguf(ckpt: LoadedCheckpoint, arch: str, dtype: str, name: str, f) -> None:
+def write_gguf(ckpt: LoadedCheckpoint, enc: Encoding, arch: str, dtype: str, name: str, f) -> None:
     """The whole GGUF into the open file `f`: header, keys, tensor infos, then the tensors."""
     import gguf
 
-    enc = load_tokenizer_dir(ckpt.tokenizer_dir)
     w = gguf.GGUFWriter(path=None, arch=arch)
     w.add_name(name)
     w.add_string(MARKER_KEY, f"{ckpt.path.resolve()} step {ckpt.step}")
@@ -273,13 +272,14 @@ def export_gguf(ckpt_path: str | Path, out: Path, dtype: str = "f32") -> Path:
     check_writable(out.parent, what="--gguf")
     ckpt = load_for_inference(ckpt_path, "cpu")
     arch = gguf_arch(ckpt.config)
-    pre_tokenizer(load_tokenizer_dir(ckpt.tokenizer_dir))  # refused before anything is written
+    enc = load_tokenizer_dir(ckpt.tokenizer_dir)
+    pre_tokenizer(enc)  # refused before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
         with open_file(tmp, "wb", what="--gguf") as f:
-            write_gguf(ckpt, arch, dtype, out.stem, f)
+            write_gguf(ckpt, enc, arch, dtype, out.stem, f)
         os.replace(tmp, out)
     except OSError as e:
         raise ConfigError(f"cannot write the GGUF {out} ({e.strerror}); nothing was replaced: "
