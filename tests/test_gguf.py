@@ -314,6 +314,7 @@ def test_llama_cpp_runs_the_model_as_lmforge_does(source, request, tmp_path, cap
     theirs = llama_logits(llm, ids)
     assert np.abs(theirs - ours).max() <= 1e-4 * np.abs(ours).max()
     new = llama_greedy(llm, ids, 24, stop=eot_id(enc))
+    capsys.readouterr()
     assert lmforge(["sample", "--ckpt", str(ckpt), "--prompt", prompt, "--temperature", "0",
                     "--max-new-tokens", "24", "--dtype", "fp32", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == prompt + enc.decode(new) + "\n"
