@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import random
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -124,6 +125,15 @@ def write_sample(ckpt: LoadedCheckpoint, enc: tiktoken.Encoding, prompt_ids: lis
     out.write("\n")
 
 
+def encode_chat(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """A rendered chat template's ids: the special tokens it writes as text are those tokens
+    (as apply_chat_template encodes it), the text between them encoded as any text."""
+    special = enc._special_tokens
+    split = re.split("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")", text)
+    return [i for j, part in enumerate(split)
+            for i in ([special[part]] if j % 2 else enc.encode_ordinary(part) if part else [])]
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
@@ -140,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device, 0)
     ckpt = load_for_inference(args.ckpt, device)
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
-    if args.chat:  # the template writes the conversation's special tokens as text
+    if args.chat:
         prompt = render_chat(ckpt.tokenizer_dir, prompt, ckpt.path)
-        ids = enc.encode(enc._normal(prompt), allowed_special="all")
+        ids = encode_chat(enc, prompt)
     else:
         ids = encode_prompt(enc, prompt)
     sampling = fit_to_context(sampling, len(ids), ckpt.config.max_seq_len)
