@@ -118,8 +118,12 @@ def vocabulary(enc: Encoding, n_vocab: int) -> tuple[list[str], list[int], list[
                 raise ConfigError(f"tokenizer {enc.name!r}: token {token!r} is made by no merge "
                                   "of two tokens, which llama.cpp needs; export it with --hf")
             merges.append(" ".join(map(text, parts)))
+    # Added tokens a text may contain (Qwen's `<think>`, where the tokenizer keeps them) are
+    # matched in text by llama.cpp as USER_DEFINED, never as CONTROL.
+    in_text = getattr(enc, "text_tokens", {})
     for name, i in enc._special_tokens.items():
-        tokens[i], types[i] = name, gguf.TokenType.CONTROL
+        tokens[i] = name
+        types[i] = gguf.TokenType.USER_DEFINED if name in in_text else gguf.TokenType.CONTROL
     return tokens, types, merges
 
 

@@ -14,6 +14,7 @@ import torch
 from tests.hf_dirs import EOS, TOKENIZER_VOCAB, corpus, make_model, make_tokenizer
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK = ("<think>", "</think>")
 # SmolLM2-Instruct's template, as it ships.
 TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
             "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
@@ -113,11 +114,21 @@ def llama_greedy(llm, ids: list[int], n: int, stop: int) -> list[int]:
 
 
 def split_tokenizer(out: Path, style: str) -> Path:
-    """tests/hf_dirs.py's tokenizers, and Qwen2's: its Split regex (single digits) + NFC."""
-    if style != "qwen2":
+    """tests/hf_dirs.py's tokenizers, and Qwen2's: its Split regex (single digits) + NFC, with
+    (qwen2_think) Qwen3's `<think>` / `</think>`, added tokens that are not special."""
+    if not style.startswith("qwen2"):
         return make_tokenizer(out, style)
     from lmforge.launch.export_gguf import QWEN2_PATTERN
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -129,6 +140,8 @@ def split_tokenizer(out: Path, style: str) -> Path:
                                   show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer)
+    if style == "qwen2_think":
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK])
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))

@@ -206,7 +206,7 @@ def prepared(root: Path, tokenizer: str) -> Path:
 
     from tests.hf_dirs import corpus
 
-    docs = [*ODD_TEXTS, *corpus(40)]
+    docs = [*ODD_TEXTS, *corpus(40), "<think>2 + 2</think> is 4 <think>\n</think>x</think>"]
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
     assert prepare(["--source", str(root / "docs.jsonl"), "--tokenizer", tokenizer, "--out",
                     str(root / "data"), "--val-docs", "0", "--workers", "1"]) == 0
@@ -214,7 +214,8 @@ def prepared(root: Path, tokenizer: str) -> Path:
 
 
 @needs_llama
-@pytest.mark.parametrize("style", ["bpe", "gpt2.tiktoken", "gpt2", "digits", "llama3", "qwen2"])
+@pytest.mark.parametrize("style", ["bpe", "gpt2.tiktoken", "gpt2", "digits", "llama3", "qwen2",
+                                   "qwen2_think"])
 def test_llama_cpp_tokenizes_as_the_shards(style, tmp_path):
     """Each pre-tokenizer lmforge maps (see export_gguf.PRE_TOKENIZERS), on shards of text with
     unicode, digits and whitespace runs: llama.cpp's ids are the shards' ids, document by document."""
