@@ -198,6 +198,11 @@ def add_tokenizer(w, ckpt: LoadedCheckpoint, enc: Encoding) -> None:
     w.add_add_eos_token(False)
     if (template := chat_template(ckpt.tokenizer_dir)) is not None:
         w.add_chat_template(template)
+    ranks = mergeable_ranks(enc)
+    if missing := [b for b in range(256) if bytes([b]) not in ranks]:
+        print(f"note: the vocabulary has no token for {len(missing)} single bytes (SmolLM's way); "
+              "llama.cpp drops such a byte after merging its neighbours, `tokenizers` before: "
+              "a text holding one may get other ids there", file=sys.stderr)
     if getattr(enc, "normalizer", None):
         print(f"note: tokenizer {enc.name!r} normalizes text to {enc.normalizer} first, which "
               f"llama.cpp does not: text already in {enc.normalizer} is tokenized the same",
