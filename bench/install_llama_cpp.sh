@@ -11,9 +11,6 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 VERSION=0.3.36
 SOURCE=${1:-llama-cpp-python==$VERSION}
-# Examples, tests, server and tools are not needed to load a GGUF from Python: built, they
-# double the time.
-export CMAKE_ARGS="${CMAKE_ARGS:-} -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 "$PYTHON" -m pip install --no-binary llama-cpp-python "$SOURCE"
 "$PYTHON" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'installed')"
