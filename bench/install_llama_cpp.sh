@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp for the llama.cpp checks of tests/test_gguf.py (they skip, saying why, without it):
 # llama-cpp-python built from its sdist (llama.cpp itself, vendored, CPU backend) into the
-# Python that runs the tests. No binary wheel is taken: PyPI has none for every CPU, and a
-# build for this machine is what the checks should run. ~30 min on 2 cores.
+# Python that runs the tests: a build for this machine (no prebuilt wheel) is what the checks
+# should run. ~30 min on 2 cores (the checks were run with a wheel built so from the sdist).
 #
 #   bash bench/install_llama_cpp.sh            # the version the checks were written against
 #   bash bench/install_llama_cpp.sh SDIST.tar.gz  # a local sdist (offline)
