@@ -25,11 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmforge.data_prep.errors import DataError
-from lmforge.data_prep.safe_files import read_text
+from lmforge.data_prep.safe_files import read_bytes, read_text
 from lmforge.data_prep.tokenizer_checks import bpe_ranks, keep_gaps
 
 TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 MAX_JSON_BYTES = 1 << 28  # Qwen's tokenizer.json is ~11 MB, Llama 3's ~9 MB
+# Kept byte for byte beside tokenizer.json, for `lmforge export` and `sample --chat`: the files
+# that say how the source's tokens are used (config.json for its bos/eos/pad ids alone).
+SOURCE_FILES = (CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                "generation_config.json", "config.json")
 
 # tokenizers' ByteLevel regex (GPT-2's), as ByteLevel(use_regex=True) splits with it.
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -240,6 +244,7 @@ def read_hf_tokenizer(directory: Path) -> HFTokenizer:
     spec = HFTokenizer(directory.resolve().name, pattern, ranks, added, _eos(directory, added),
                        _bos(tok.get("post_processor"), directory), normalizer, text_tokens,
                        {TOKENIZER_FILE: text.encode()})
-    if (config := directory / CONFIG_FILE).is_file():
-        spec.files[CONFIG_FILE] = read_text(config, MAX_JSON_BYTES, what="tokenizer config").encode()
+    for name in SOURCE_FILES:
+        if (directory / name).is_file():
+            spec.files[name] = read_bytes(directory / name, MAX_JSON_BYTES, what="tokenizer file")
     return spec

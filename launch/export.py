@@ -1,12 +1,15 @@
 """`lmforge export`: a checkpoint -> a Hugging Face Llama (Qwen3 with model.qk_norm) directory
-that `transformers` loads; a model option neither holds is refused in one error line.
+that `transformers` loads, or with --gguf one GGUF file that llama.cpp and ollama run
+(launch/export_gguf.py); a model option neither holds is refused in one error line.
 
     lmforge export --ckpt runs/tiny --hf out/tiny-hf
+    lmforge export --ckpt runs/tiny --gguf out/tiny.gguf [--gguf-dtype f16]
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
                m = AutoModelForCausalLM.from_pretrained('out/tiny-hf'); t = T.from_pretrained('out/tiny-hf')"
 
-OUT holds config.json + generation_config.json + model.safetensors (model.hf.export_hf; eos =
-bos = the end-of-text id), the tokenizer as a `tokenizers`
+OUT holds config.json + generation_config.json + model.safetensors (model.hf.export_hf; bos/eos
+(/pad) ids the source model's, else eos = bos = the end-of-text id: launch/source.py), the
+tokenizer-side files of a Hugging Face source byte for byte, else the tokenizer as a `tokenizers`
 tokenizer.json + tokenizer_config.json (converted from the tiktoken vocabulary by transformers'
 TikTokenConverter; `<|endoftext|>` is the eos token), and lmforge_tokenizer/, the original
 tiktoken vocabulary, exact. OUT is written beside itself and renamed into place, and only a
@@ -29,16 +32,15 @@ from lmforge.data_prep.safe_files import check_writable
 from lmforge.data_prep.shards import check_dir_path, copy_plain_tree
 from lmforge.data_prep.tokenizer import (
     EOT,
-    HF_FILES,
     VOCAB_FILE,
     Encoding,
-    bos_id,
-    eot_id,
     load_tokenizer_dir,
     read_tokenizer_meta,
 )
 from lmforge.launch.cli import ArgumentParser
-from lmforge.model.hf import export_hf, hf_config_dict
+from lmforge.launch.export_gguf import GGUF_DTYPES, export_gguf
+from lmforge.launch.source import copied_files, token_ids
+from lmforge.model.hf import CONFIG_FILE, export_hf, hf_config_dict
 from lmforge.pipeline.config import ConfigError
 from lmforge.pipeline.inference import LoadedCheckpoint, load_for_inference
 
@@ -49,10 +51,15 @@ TOKENIZER_COPY = "lmforge_tokenizer"
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="lmforge export",
                                 description="Export a checkpoint to the Hugging Face Llama format "
-                                            "(Qwen3 with model.qk_norm).")
+                                            "(Qwen3 with model.qk_norm), or to GGUF.")
     p.add_argument("--ckpt", required=True,
                    help="run directory (newest checkpoint), checkpoints/step_* or final/")
-    p.add_argument("--hf", required=True, type=Path, metavar="OUT", help="output directory")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--hf", type=Path, metavar="OUT", help="output directory (Hugging Face)")
+    out.add_argument("--gguf", type=Path, metavar="FILE",
+                     help="output file for llama.cpp / ollama (GGUF: arch llama, qwen2 or qwen3)")
+    p.add_argument("--gguf-dtype", default="f32", choices=sorted(GGUF_DTYPES),
+                   help="the GGUF's matrices in this type (norms stay f32, as llama.cpp's own)")
     return p
 
 
@@ -155,10 +162,14 @@ def disk_full(out: Path, ckpt: LoadedCheckpoint) -> ConfigError:
 
 def write_export(ckpt: LoadedCheckpoint, enc: Encoding, tmp: Path) -> None:
     copy_plain_tree(ckpt.tokenizer_dir, tmp / TOKENIZER_COPY)  # first: it refuses symlinks
-    export_hf(ckpt.model, ckpt.config, tmp, eos_token_id=eot_id(enc), bos_token_id=bos_id(enc))
-    hf_own = tmp / TOKENIZER_COPY / HF_FILES
-    if hf_own.is_dir():  # from a Hugging Face tokenizer (hf:DIR): its own files, as given
-        for f in hf_own.iterdir():
+    ids = token_ids(ckpt.tokenizer_dir, enc)
+    export_hf(ckpt.model, ckpt.config, tmp, eos_token_id=ids["eos_token_id"],
+              bos_token_id=ids["bos_token_id"])
+    if "pad_token_id" in ids:  # the source's; without one, generation_config pads with eos
+        config = json.loads((tmp / CONFIG_FILE).read_text())
+        (tmp / CONFIG_FILE).write_text(json.dumps(config | ids, indent=2) + "\n")
+    if copied := copied_files(tmp / TOKENIZER_COPY):  # from hf:DIR: its own files, as given
+        for f in copied:
             shutil.copyfile(f, tmp / f.name)
     else:
         try:
@@ -172,6 +183,10 @@ def write_export(ckpt: LoadedCheckpoint, enc: Encoding, tmp: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.gguf is not None:
+        out = export_gguf(args.ckpt, args.gguf, args.gguf_dtype)
+        print(f"exported to {out} ({args.gguf_dtype}); run it: llama-cli -m {out}")
+        return 0
     out = export(args.ckpt, args.hf)
     files = ["config.json", "generation_config.json", "model.safetensors"] + ["tokenizer.json"] * (out / "tokenizer.json").is_file()
     print(f"exported to {out}: {', '.join(files)} "

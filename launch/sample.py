@@ -5,7 +5,9 @@
 Everything needed travels with the checkpoint (weights, model config, tokenizer/), so this needs
 neither the dataset nor a network. The prompt is encoded after an end-of-text token, the token
 every training document starts with, so it is read as the beginning of a document; generation
-stops at the next end-of-text. The same --seed prints the same text.
+stops at the next end-of-text. The same --seed prints the same text. With --chat the prompt is
+a user's message, rendered by the checkpoint's chat template (as transformers'
+apply_chat_template renders and encodes it) instead.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import random
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -20,9 +23,9 @@ from pathlib import Path
 from typing import TextIO
 
 import tiktoken
-
 from lmforge.data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_bytes
 from lmforge.launch.cli import ArgumentParser
+from lmforge.launch.source import render_chat
 from lmforge.model import NonFiniteLogits, SamplingError, SamplingParams, stream
 from lmforge.model.generate import MIN_TEMPERATURE
 from lmforge.pipeline.config import ConfigError
@@ -40,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue ('' = start a new document)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message: render it through the checkpoint's "
+                        "chat template (a Hugging Face model's), ready for the answer")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_new_tokens,
                    help="at most this many tokens per sample (clamped to the model's context)")
@@ -119,6 +125,15 @@ def write_sample(ckpt: LoadedCheckpoint, enc: tiktoken.Encoding, prompt_ids: lis
     out.write("\n")
 
 
+def encode_chat(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """A rendered chat template's ids: the special tokens it writes as text are those tokens
+    (as apply_chat_template encodes it), the text between them encoded as any text."""
+    special = enc._special_tokens
+    split = re.split("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")", text)
+    return [i for j, part in enumerate(split)
+            for i in ([special[part]] if j % 2 else enc.encode_ordinary(part) if part else [])]
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
@@ -135,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device, 0)
     ckpt = load_for_inference(args.ckpt, device)
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
-    ids = encode_prompt(enc, prompt)
+    if args.chat:
+        prompt = render_chat(ckpt.tokenizer_dir, prompt, ckpt.path)
+        ids = encode_chat(enc, prompt)
+    else:
+        ids = encode_prompt(enc, prompt)
     sampling = fit_to_context(sampling, len(ids), ckpt.config.max_seq_len)
     precision = Precision.resolve(args.dtype, device, "sample")  # after every check: no probe
     print(f"note: computing in {dtype_name(precision.dtype)} on {device} (--dtype {args.dtype})",
