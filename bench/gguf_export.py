@@ -29,6 +29,7 @@ EXPORTS = {"--hf (reference)": ["--hf", "{out}/hf"], "--gguf f32": ["--gguf", "{
 def write_checkpoint(out: Path) -> int:
     """final/ of a random 124M-shaped model with the GPT-2 tokenizer; returns its fp32 bytes."""
     import torch
+
     from lmforge.data_prep.tokenizer import load_tokenizer, save_tokenizer_dir
     from lmforge.model import GPT
     from lmforge.pipeline.checkpoint.format import CheckpointMeta, save_consolidated

@@ -73,7 +73,7 @@ def gpt2_read_cost(out: Path) -> None:
     import json
 
     from lmforge.data_prep.hf_tokenizer import read_hf_tokenizer
-    from lmforge.data_prep.tokenizer import GPT2_PATTERN, load_tokenizer, save_tokenizer_dir
+    from lmforge.data_prep.tokenizer import load_tokenizer, save_tokenizer_dir
     from lmforge.launch.export import save_hf_tokenizer
 
     try:

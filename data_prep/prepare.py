@@ -40,7 +40,13 @@ from tqdm import tqdm
 from lmforge.data_prep.errors import DataError, is_disk_full
 from lmforge.data_prep.outdir import TOKENIZER_DIR, Ledger, ShardWriter, resume_state, sort_shards
 from lmforge.data_prep.safe_files import check_writable
-from lmforge.data_prep.shards import FORMAT_VERSION, SPLITS, Manifest, dtype_for_vocab, load_manifest
+from lmforge.data_prep.shards import (
+    FORMAT_VERSION,
+    SPLITS,
+    Manifest,
+    dtype_for_vocab,
+    load_manifest,
+)
 from lmforge.data_prep.sources import Source
 from lmforge.data_prep.tokenizer import (
     HF_PREFIX,

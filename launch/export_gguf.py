@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from lmforge.data_prep.hf_tokenizer import (
     BYTE_LEVEL_PATTERN,
     DIGITS_BYTE_LEVEL_PATTERN,

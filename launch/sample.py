@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 import tiktoken
+
 from lmforge.data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_bytes
 from lmforge.launch.cli import ArgumentParser
 from lmforge.launch.source import render_chat

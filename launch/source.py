@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import tiktoken
+
 from lmforge.data_prep.safe_files import read_text
 from lmforge.data_prep.tokenizer import HF_FILES, bos_id, eot_id
 from lmforge.pipeline.config import ConfigError

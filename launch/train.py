@@ -28,7 +28,12 @@ from lmforge.pipeline.checkpoint.lock import check_unlocked, run_lock
 from lmforge.pipeline.config import ConfigError, JobConfig, derive, describe, load_config, to_toml
 from lmforge.pipeline.data.mixture import describe_mixture, open_sources
 from lmforge.pipeline.metrics import get_logger, setup_logging
-from lmforge.pipeline.parallel.distributed import DistInfo, any_rank, distributed, stop_with_launcher
+from lmforge.pipeline.parallel.distributed import (
+    DistInfo,
+    any_rank,
+    distributed,
+    stop_with_launcher,
+)
 from lmforge.pipeline.parallel.materialize import meta_gpt
 from lmforge.pipeline.parallel.plan import report as plan_report
 from lmforge.pipeline.train import Trainer, TrainingStopped, model_config_for

@@ -118,7 +118,6 @@ def split_tokenizer(out: Path, style: str) -> Path:
     (qwen2_think) Qwen3's `<think>` / `</think>`, added tokens that are not special."""
     if not style.startswith("qwen2"):
         return make_tokenizer(out, style)
-    from lmforge.launch.export_gguf import QWEN2_PATTERN
     from tokenizers import (
         AddedToken,
         Regex,
@@ -129,6 +128,8 @@ def split_tokenizer(out: Path, style: str) -> Path:
         pre_tokenizers,
         trainers,
     )
+
+    from lmforge.launch.export_gguf import QWEN2_PATTERN
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()

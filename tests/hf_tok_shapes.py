@@ -23,8 +23,9 @@ SHAPES = ("smollm", "qwen", "gaps", "appended")
 
 
 def _train(pre, normalizer=None, alphabet_skip=(), vocab: int = 640):
-    from lmforge.data_prep.hf_tokenizer import bytes_to_unicode
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lmforge.data_prep.hf_tokenizer import bytes_to_unicode
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre, decoders.ByteLevel()

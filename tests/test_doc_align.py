@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from bench.runs import ROOT, TINY_ARGS, env
+from lmforge.data_prep.safe_files import file_sha256
 from lmforge.data_prep.shards import (
     FORMAT_VERSION,
     Manifest,
@@ -33,7 +34,6 @@ from lmforge.data_prep.shards import (
 )
 from lmforge.model.model import IGNORE_INDEX
 from lmforge.pipeline.data.loader import Source, TokenWindows, TrainLoader
-from lmforge.data_prep.safe_files import file_sha256
 from lmforge.pipeline.data.rows import DocRows
 from tests.errors import cli_error, last_error
 

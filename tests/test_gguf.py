@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from lmforge.data_prep.hf_tokenizer import bytes_to_unicode
 from lmforge.data_prep.shards import open_shard
 from lmforge.data_prep.tokenizer import load_tokenizer_dir, mergeable_ranks
 from lmforge.launch.cli import main as lmforge
 from lmforge.launch.export_gguf import MARKER_KEY, permute
 from lmforge.pipeline.inference import load_for_inference
-
 from tests.errors import cli_error
 from tests.gguf_dirs import (
     LLAMA3_SCALING,
@@ -55,7 +55,6 @@ def corpus_data(tmp_path_factory) -> Path:
     """The test corpus with unicode, digit runs and whitespace runs of every kind, prepared with
     a trained BPE: the shards a llama.cpp tokenizer must reproduce."""
     from lmforge.launch.prepare import main as prepare
-
     from tests.hf_dirs import corpus
 
     root = tmp_path_factory.mktemp("gguf_corpus")
@@ -203,7 +202,6 @@ GPT2_FILE = Path("/work/shared/tokenizers/gpt2.tiktoken")
 def prepared(root: Path, tokenizer: str) -> Path:
     """The test corpus (unicode, digit runs, whitespace runs) prepared with `tokenizer`."""
     from lmforge.launch.prepare import main as prepare
-
     from tests.hf_dirs import corpus
 
     docs = [*ODD_TEXTS, *corpus(40), "<think>2 + 2</think> is 4 <think>\n</think>x</think>"]

@@ -5,8 +5,9 @@ data_prep.py (`python -m` and torchrun put the working directory first on sys.pa
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from bench.runs import ROOT, TINY_ARGS, run
 

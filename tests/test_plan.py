@@ -20,7 +20,12 @@ from bench.runs import ROOT, run
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline.loss import CHUNK_ELEMS, ChunkedLoss
 from lmforge.pipeline.parallel.materialize import meta_gpt
-from lmforge.pipeline.parallel.plan import activation_bytes, head_loss_bytes, planned_loss, state_bytes
+from lmforge.pipeline.parallel.plan import (
+    activation_bytes,
+    head_loss_bytes,
+    planned_loss,
+    state_bytes,
+)
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
 

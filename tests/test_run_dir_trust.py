@@ -28,10 +28,10 @@ from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.metrics import get_logger
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
-from tests.test_checkpoint_lineage import cfg_for
-from tests.test_checkpoint_trust import read_metadata, write_metadata
 from tests.errors import last_error_line
 from tests.file_kinds import plant
+from tests.test_checkpoint_lineage import cfg_for
+from tests.test_checkpoint_trust import read_metadata, write_metadata
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 STEP = "checkpoints/step_00000002"

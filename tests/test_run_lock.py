@@ -13,8 +13,8 @@ import contextlib
 import errno
 import os
 import shutil
-import subprocess
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from lmforge.data_prep.errors import DataError
 from lmforge.data_prep.safe_files import (
     UnsafeFile,
@@ -29,7 +30,6 @@ from lmforge.data_prep.safe_files import (
     read_bytes,
     read_text,
 )
-
 from tests.file_kinds import (
     KINDS,
     LINKS,

@@ -41,7 +41,12 @@ from lmforge.data_prep.safe_files import check_dir, check_file, check_tree, read
 from lmforge.data_prep.shards import copy_plain_tree
 from lmforge.model import ModelConfig
 from lmforge.pipeline.checkpoint.run_dir import RunDir
-from lmforge.pipeline.checkpoint.safe_dcp import CheckpointError, load_into, refusal, single_process_ok
+from lmforge.pipeline.checkpoint.safe_dcp import (
+    CheckpointError,
+    load_into,
+    refusal,
+    single_process_ok,
+)
 from lmforge.pipeline.config import (
     ConfigError,
     JobConfig,

@@ -14,7 +14,14 @@ import torch
 from lmforge.data_prep.errors import DataError
 from lmforge.data_prep.shards import Manifest, load_manifest
 from lmforge.pipeline.config import EvalConfig
-from lmforge.pipeline.data.config import DataConfig, SourceConfig, named, phase_start, schedule, weights
+from lmforge.pipeline.data.config import (
+    DataConfig,
+    SourceConfig,
+    named,
+    phase_start,
+    schedule,
+    weights,
+)
 from lmforge.pipeline.data.loader import Phase, Source
 from lmforge.pipeline.data.rows import build_rows
 from lmforge.pipeline.data.windows import TokenWindows

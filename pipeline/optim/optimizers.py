@@ -42,7 +42,9 @@ def _keeping_memory(optimizer, model: nn.Module, device: torch.device):
     """On CPU, a whole replica's steps reuse their freed buffers from the first step's end on
     (pipeline.cpu.allocator); FSDP2's shards give theirs back (pipeline.parallel.parallelize)."""
     if torch.device(device).type == "cpu" and not isinstance(model, FSDPModule):
-        from lmforge.pipeline.cpu.allocator import keep_freed_blocks_after_first_step  # the CPU room
+        from lmforge.pipeline.cpu.allocator import (
+            keep_freed_blocks_after_first_step,  # the CPU room
+        )
 
         last = optimizer.optimizers[-1] if isinstance(optimizer, Optimizers) else optimizer
         keep_freed_blocks_after_first_step(last)
