@@ -125,7 +125,8 @@ class ModelConfig:
         if not self.rope_high_freq_factor > self.rope_low_freq_factor:  # the band's width divides
             raise ValueError("model.rope_high_freq_factor must be above model.rope_low_freq_factor, "
                              f"got {self.rope_high_freq_factor} <= {self.rope_low_freq_factor}")
-        for name in ("rope_theta", "norm_eps", "init_std", "rope_scaling_factor", "rope_low_freq_factor"):
+        for name in ("rope_theta", "norm_eps", "init_std", "rope_scaling_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison: test it
                 raise ValueError(f"model.{name} must be a finite number > 0, got {value}")

@@ -30,6 +30,7 @@ from lmforge.pipeline.checkpoint.hf_init import (
     check_tables_fit,
     hf_dir,
     load_hf_model,
+    mismatch,
     safetensors_file,
     stored_tensors,
 )
@@ -126,18 +127,7 @@ def dcp_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
 
 def check_stored_shapes(stored: dict[str, tuple[int, ...]], cfg: ModelConfig, where: Path) -> None:
     """Every weight of meta.json's model stored with its shape (a tied LM head may be absent),
-    and nothing else stored; the stored tensors counted before anything sized by meta.json is
-    built (model.model.state_shapes)."""
+    nothing else; counted before anything sized by meta.json is built (state_shapes)."""
     tied = cfg.tie_embeddings
-    ours = state_shapes(cfg, len(stored) + tied)
-    if ours is None:
-        raise misfit(where, f"meta.json describes more tensors, or larger ones, than the "
-                            f"{len(stored)} stored ({cfg.n_layer:,} layers of width {cfg.d_model:,})")
-    wrong = [f"{k}: {stored[k]} vs {ours[k]}" for k in ours if k in stored and stored[k] != ours[k]]
-    missing = [k for k in ours if k not in stored and not (tied and k == "lm_head.weight")]
-    unexpected = [k for k in stored if k not in ours]
-    if wrong or missing or unexpected:
-        raise misfit(where, "; ".join([*(f"shape {w}" for w in wrong[:2]),
-                                       *(f"missing {k}" for k in missing[:2]),
-                                       *(f"unexpected {k}" for k in unexpected[:2])]))
-
+    if wrong := mismatch(state_shapes(cfg, len(stored) + tied), stored, ("lm_head.weight",) if tied else ()):
+        raise misfit(where, wrong)

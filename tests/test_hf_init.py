@@ -22,7 +22,6 @@ from lmforge.data_prep.tokenizer import load_tokenizer
 from lmforge.pipeline.checkpoint.hf_init import load_hf_model
 from lmforge.pipeline.config import load_config
 from lmforge.pipeline.data.windows import TokenWindows
-from lmforge.pipeline.errors import CheckpointError
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
@@ -303,11 +302,13 @@ CRAFTED = {  # kind: (what it does to a copy of a tiny model's directory, what t
     "tied_string": (lambda d: {"tie_word_embeddings": "no"}, "tie_word_embeddings = \"no\""),
     "hidden_2_40": (lambda d: {"hidden_size": 2**40}, "(640, 64) vs (640, 1099511627776)"),
     "layers_25000": (lambda d: every_layer_is_layer_0(d, 1) | {"num_hidden_layers": 25_000},
-                     "describes a model of more tensors, or larger"),
+                     "describes more tensors, or larger ones, than the"),
     "overlap_96_layers": (lambda d: every_layer_is_layer_0(d, 96), "not a readable safetensors file"),
     "config_nested": (lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
                       "not a JSON file lmforge can read"),
     "header_nested": (nested_header, "not a readable safetensors file"),
+    "truncated": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-1000]),
+                  "not a readable safetensors file"),
     "index_nested": (lambda d: (d / "model.safetensors.index.json").write_text(
         '{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}"), "not a JSON file lmforge can read"),
     "index_nul": (lambda d: index_naming(d, "model\0.safetensors"), "names files outside its directory"),

@@ -2,17 +2,13 @@
 safetensors, one model.safetensors or shards listed in model.safetensors.index.json) read into our
 GPT through model/hf.py's conversion table, for `checkpoint.init_from` and `--ckpt hf:DIR`.
 
-The directory is input, not code. The path named may be a link; nothing inside it is followed.
-Only safetensors are read (a pickled pytorch_model.bin is refused; nothing of config.json is run:
-model_type must be llama, qwen2 or qwen3). Every file is opened by data_prep/safe_files.py, and
-the safetensors library (`safetensors_file`, the one reader of the format here and in
-pipeline/inference.py) reads the file behind that descriptor: it refuses a header over 100 MB or
-nested past its parser's depth, byte ranges that overlap, leave gaps or end past the file. Every
-stored tensor's dtype and shape is checked against the model config.json describes before any
-memory is allocated, and before anything sized by config.json is built (model.model.state_shapes:
-a 1-layer file claiming 10^6 layers costs nothing). Weights are read tensor by tensor, each file
-mapped only while one tensor is read: a process holds the model plus one stored tensor, and under
-FSDP2 one whole parameter beside its shards (as pipeline/parallel/materialize.py initialises).
+The directory is input, not code: the path named may be a link, nothing inside it is followed.
+Only safetensors are read, by the library (`safetensors_file`: the one reader of the format) on
+the descriptor safe_files opened; it refuses a header over 100 MB or nested too deep and byte
+ranges that overlap, leave gaps or pass the end. Every stored shape is held against config.json's
+model before anything it sizes is built (model.model.state_shapes) or allocated. Weights are
+read tensor by tensor, each file mapped only while one is read: a process holds the model plus
+one stored tensor (under FSDP2, one whole parameter beside its shards).
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from lmforge.pipeline.typed_config import ConfigError, field_types, parse_overri
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_JSON_BYTES = 1 << 26
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+DTYPES = ("F32", "BF16", "F16")
 # Stored beside the weights by some exports, and rebuilt by us: not a mismatch.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 AC_PREFIX = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper, in param names
@@ -79,9 +75,8 @@ def read_config(directory: Path) -> ModelConfig:
 
 def _given(d: dict, pairs: list[tuple[str, str]], key: str):
     """`key` (section.name) as the overrides, else the config file, give it."""
-    section, name = key.split(".")
-    given = [v for k, v in pairs if k == key]
-    table = d.get(section)
+    given, (section, name) = [v for k, v in pairs if k == key], key.split(".")
+    table = d.get(section)  # a section that is no table: the typed config's error, not ours
     return given[-1] if given else table.get(name, "") if isinstance(table, dict) else ""
 
 
@@ -109,10 +104,8 @@ def init_from_model(d: dict, overrides: list[str]) -> tuple[dict, list[str]]:
 
 
 def _resumed_model(d: dict, pairs: list[tuple[str, str]], source: str) -> ModelConfig | None:
-    """Where `source` is gone and the run resumes: the model its run directory's config.toml
-    holds (config.json's, written at the start), since the run's checkpoints hold the weights
-    and the checkpoint's meta.json is held against this model before anything is built
-    (format.read_resumable). None otherwise: a fresh start needs the directory."""
+    """Where `source` is gone and the run resumes (its checkpoints hold the weights): the model
+    its run's config.toml holds, which format.read_resumable holds against the checkpoint's."""
     if os.path.lexists(source) or _given(d, pairs, "checkpoint.resume") in ("", "none"):
         return None
     saved = RunDir(_given(d, pairs, "log.out_dir") or "runs/tiny").config
@@ -126,10 +119,9 @@ def _resumed_model(d: dict, pairs: list[tuple[str, str]], source: str) -> ModelC
 
 @dataclass(frozen=True)
 class Stored:
-    """One tensor of a safetensors file: which file, and what it holds."""
+    """One tensor of a safetensors file: which file, and its shape."""
 
     file: Path
-    dtype: torch.dtype
     shape: tuple[int, ...]
 
 
@@ -139,13 +131,10 @@ class HFWeights:
     config: ModelConfig
     tensors: dict[str, Stored]
 
-    @property
-    def files(self) -> list[Path]:
-        return sorted({t.file for t in self.tensors.values()})
-
     def sha256(self) -> dict[str, str]:
         """Each weights file's sha256 (what a run's meta.json records of its source)."""
-        return {path.name: file_sha256(path, what="safetensors file") for path in self.files}
+        files = sorted({t.file for t in self.tensors.values()})
+        return {path.name: file_sha256(path, what="safetensors file") for path in files}
 
 
 @contextlib.contextmanager
@@ -173,7 +162,7 @@ def stored_tensors(path: Path) -> dict[str, Stored]:
             info = f.get_slice(name)
             if info.get_dtype() not in DTYPES:
                 raise refusal(path, f"tensor {name!r} is of dtype {info.get_dtype()}, not F32/BF16/F16")
-            out[name] = Stored(path, DTYPES[info.get_dtype()], tuple(info.get_shape()))
+            out[name] = Stored(path, tuple(info.get_shape()))
     return out
 
 
@@ -211,21 +200,22 @@ def open_weights(directory: Path) -> HFWeights:
     tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_embeddings:  # a tied model saved with its head too: the embedding is the one read
         tensors.pop("lm_head.weight", None)
-    want = hf_shapes(cfg, len(tensors))
-    if want is None:
-        raise CheckpointError(f"{directory}: its config.json describes a model of more tensors, or "
-                              f"larger ones, than the {len(tensors)} its files store "
-                              f"({cfg.n_layer:,} layers of width {cfg.d_model:,}); download the model again")
-    wrong = [f"{k} {tensors[k].shape} vs {s} by config.json" for k, s in want.items()
-             if k in tensors and tensors[k].shape != s]
-    missing, unexpected = sorted(want.keys() - tensors.keys()), sorted(tensors.keys() - want.keys())
-    if wrong or missing or unexpected:
-        raise CheckpointError(f"{directory}: its weights do not match its config.json ("
-                              + "; ".join([*wrong[:2], *(f"missing {k}" for k in missing[:2]),
-                                           *(f"unexpected {k}" for k in unexpected[:2])])
-                              + "); download the model again")
+    if wrong := mismatch(hf_shapes(cfg, len(tensors)), {k: t.shape for k, t in tensors.items()}):
+        raise CheckpointError(f"{directory}: its weights do not match its config.json ({wrong}); "
+                              "download the model again")
     check_tables_fit(cfg, directory / CONFIG_FILE)
     return HFWeights(directory, cfg, tensors)
+
+
+def mismatch(want: dict[str, tuple] | None, stored: dict[str, tuple], optional: tuple = ()) -> str:
+    """How the stored shapes differ from those wanted ("" when they do not; `optional` may be
+    missing; `want` None: state_shapes found more tensors wanted than stored, or larger)."""
+    if want is None:
+        return f"it describes more tensors, or larger ones, than the {len(stored)} stored"
+    wrong = [f"{k} {stored[k]} vs {s}" for k, s in want.items() if k in stored and stored[k] != s]
+    missing, unexpected = sorted(want.keys() - stored.keys() - set(optional)), sorted(stored.keys() - want.keys())
+    return "; ".join([*wrong[:2], *(f"missing {k}" for k in missing[:2]),
+                      *(f"unexpected {k}" for k in unexpected[:2])])
 
 
 def check_tables_fit(cfg: ModelConfig, where: Path) -> None:
