@@ -195,7 +195,8 @@ def _refused(hf: dict, rope: dict) -> str | None:
         "use_sliding_window": hf.get("use_sliding_window", False),
         "layer_types": not isinstance(hf.get("layer_types") or [], list) or any(
             t != "full_attention" for t in hf.get("layer_types") or ()),
-        "num_experts": hf.get("num_experts") or hf.get("num_local_experts"),
+        "num_experts": hf.get("num_experts"),
+        "num_local_experts": hf.get("num_local_experts"),
         "attention_dropout": hf.get("attention_dropout", 0.0),
     }
     bad = next((k for k, b in checks.items() if b), None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -276,6 +277,7 @@ def in_two_shards(d):
 
 def nested_header(d):
     header, data = header_of(d / "model.safetensors")
+    header.pop("__metadata__", None)
     raw = json.dumps(header)[:-1] + ', "__metadata__": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
     write_safetensors(d / "model.safetensors", header, data, raw)
 
@@ -307,6 +309,8 @@ CRAFTED = {  # kind: (what it does to a copy of a tiny model's directory, what t
     "config_nested": (lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
                       "not a JSON file lmforge can read"),
     "header_nested": (nested_header, "not a readable safetensors file"),
+    "weights_fifo": (lambda d: (d / "model.safetensors").unlink() or os.mkfifo(d / "model.safetensors"),
+                     "model.safetensors is a FIFO"),
     "truncated": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-1000]),
                   "not a readable safetensors file"),
     "index_nested": (lambda d: (d / "model.safetensors.index.json").write_text(

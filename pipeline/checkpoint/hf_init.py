@@ -65,7 +65,7 @@ def read_config(directory: Path) -> ModelConfig:
         raise CheckpointError(f"Hugging Face model directory {directory} not found; download it "
                               "first (huggingface-cli download NAME --local-dir DIR)") from None
     path = directory / CONFIG_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path} not found; give a Hugging Face model directory")
     try:
         return config_from_hf(read_json(path, "model config"))
@@ -169,7 +169,7 @@ def stored_tensors(path: Path) -> dict[str, Stored]:
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of DIR: its index's shards, or model.safetensors."""
     index = directory / INDEX_FILE
-    if index.is_file():
+    if os.path.lexists(index):  # a link or FIFO there: safe_files' refusal, naming it
         try:
             names = set(read_json(index, "index")["weight_map"].values())
         except (KeyError, TypeError, AttributeError) as e:
@@ -178,7 +178,7 @@ def weight_files(directory: Path) -> list[Path]:
                    or n in (".", "..") or "\0" in n]:
             raise refusal(index, f"it names files outside its directory ({bad[0]!r})")
         return [directory / n for n in sorted(names)]
-    if (directory / WEIGHTS_FILE).is_file():
+    if os.path.lexists(directory / WEIGHTS_FILE):
         return [directory / WEIGHTS_FILE]
     found = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
     raise CheckpointError(f"{directory} holds no safetensors weights ({WEIGHTS_FILE} or "
