@@ -1,5 +1,6 @@
 """A Pre-LN decoder-only transformer in the Llama style: RMSNorm, RoPE, grouped-query attention,
-SwiGLU (or GELU) MLP, no biases, token embedding tied to the LM head.
+SwiGLU (or GELU) MLP, no biases (q/k/v biases as an option: Qwen2), token embedding tied to the
+LM head; RoPE plain or with Llama 3.1's frequency scaling.
 
 Options from the modded-nanogpt / nanochat recipe, each off by default (bench/recipe.py measures
 them): QK-norm, a squared-ReLU MLP, logit softcapping, zero-initialised residual outputs and
@@ -17,17 +18,21 @@ Parallelism, compilation, checkpoint I/O and logging live outside this file (pip
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# rope_inv_freq: the frequencies the model rotates by, as exporters (GGUF's rope_freqs) read them.
+from lmforge.model.rope import apply_rope, rope_inv_freq, rope_tables  # noqa: F401
 
 VOCAB_MULTIPLE = 64  # the LM-head matmul is faster when V is a multiple of 64
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 IGNORE_INDEX = -100  # a target the loss skips (eval padding rows); cross_entropy's default
 MAX_SEQ_LEN = 2**20
 RECIPE_OPTIONS = ("qk_norm", "logit_softcap", "zero_init", "value_embeds")  # off = falsy
+ROPE_SCALINGS = ("", "llama3")
 
 
 @dataclass
@@ -52,6 +57,16 @@ class ModelConfig:
     two matrices 3/2 as wide as SwiGLU's three, so the parameters match; not exportable)."""
     rope_theta: float = 10000.0
     """RoPE base: larger stretches the rotary wavelengths for longer contexts."""
+    rope_scaling: str = ""
+    """"" = plain RoPE; "llama3" = Llama 3.1/3.2's scaling of the frequencies (model/rope.py)."""
+    rope_scaling_factor: float = 8.0
+    """llama3: the longest wavelengths' stretch (8 in Llama 3.1, 32 in 3.2 1B/3B)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths over rope_original_max_len / this are stretched whole."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths under rope_original_max_len / this are kept; between, interpolated."""
+    rope_original_max_len: int = 8192
+    """llama3: the context the model was pretrained at before its extension."""
     max_seq_len: int = 1024
     """Longest sequence the RoPE tables and the KV cache are built for (training and sampling)."""
     norm_eps: float = 1e-5
@@ -63,6 +78,8 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm (with a learned gain per head dimension) on each head's queries and keys before
     RoPE: bounded attention logits (Qwen3, modded-nanogpt). Exports as Qwen3."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2, Qwen2.5). Exports as Qwen2."""
     logit_softcap: float = 0.0
     """c > 0 caps the logits to c·tanh(logits / c) in the loss and in sampling; 0 = off. Not
     exportable (no Llama-family model caps its logits)."""
@@ -74,7 +91,7 @@ class ModelConfig:
     other layer, the last included (nanochat). Not exportable."""
 
     def __post_init__(self) -> None:
-        sizes = ("n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
+        sizes = ("n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len", "rope_original_max_len")
         for name in sizes:
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -103,7 +120,13 @@ class ModelConfig:
                 f"head_dim = d_model / n_head = {self.head_dim} is odd; RoPE rotates pairs, "
                 "so choose d_model and n_head giving an even head_dim"
             )
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"model.rope_scaling must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:  # the band's width divides
+            raise ValueError("model.rope_high_freq_factor must be above model.rope_low_freq_factor, "
+                             f"got {self.rope_high_freq_factor} <= {self.rope_low_freq_factor}")
+        for name in ("rope_theta", "norm_eps", "init_std", "rope_scaling_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison: test it
                 raise ValueError(f"model.{name} must be a finite number > 0, got {value}")
@@ -146,26 +169,6 @@ class ModelConfig:
         return cls(**d)
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None):
-    """RoPE tables (max_seq_len, K), fp32, laid out for apply_rope: with angle[t, i] =
-    t / theta^(2i/K) for i < K/2, cos = [cos(angle), cos(angle)], sin = [-sin(angle), sin(angle)]."""
-    K = cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, K, 2, device=device, dtype=torch.float32) / K)
-    angle = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    cos, sin = angle.cos(), angle.sin()
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def apply_rope(x_BTNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[i], x[i + K/2]) by its angle: the half-split layout of Hugging Face
-    Llama's rotate_half, so q/k weights export unpermuted. The halves swap by slices and a cat:
-    compiled, its backward reads whole runs of each half, where roll's wrapped index made
-    inductor load element by element (bench/step_ab.py rope). cos/sin broadcast to (B, T, 1, K)."""
-    cos, sin = cos.to(x_BTNK.dtype), sin.to(x_BTNK.dtype)
-    x1, x2 = x_BTNK.chunk(2, dim=-1)
-    return x_BTNK * cos + torch.cat((x2, x1), dim=-1) * sin
-
-
 def cap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
     """cap·tanh(logits / cap): smooth, keeps small logits, bounds large ones to (-cap, cap)."""
     return cap * torch.tanh(logits / cap)
@@ -183,7 +186,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         # One fused GEMM for q, k and v: fewer, larger matmuls are faster than three small ones.
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim,
+                             bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         # Qwen3's layout: one gain over the head dimension, shared by all heads (q and k apart).
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -265,6 +269,8 @@ class Block(nn.Module):
         # Outputs added to the residual stream: scaled by depth so its variance stays ~constant.
         nn.init.normal_(self.attn.proj.weight, std=resid_std)
         nn.init.normal_(self.mlp.down.weight, std=resid_std)
+        if self.attn.qkv.bias is not None:
+            nn.init.zeros_(self.attn.qkv.bias)
         for norm in (self.attn_norm, self.mlp_norm, self.attn.q_norm, self.attn.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -418,3 +424,23 @@ class GPT(nn.Module):
             f"ctx={cfg.max_seq_len} tied={cfg.tie_embeddings}" + "".join(
                 f" {name}={getattr(cfg, name)}" for name in RECIPE_OPTIONS if getattr(cfg, name))
         )
+
+
+def state_shapes(cfg: ModelConfig, most: int) -> dict[str, tuple[int, ...]] | None:
+    """Each tensor of GPT(cfg)'s state_dict with its shape, read off a one-block model on the meta
+    device: nothing sized by n_layer is built before the count is known. None when they would
+    number more than `most` (a config claiming 10^6 layers beside a file of a few tensors), or one
+    would hold more elements than int64 counts (a width of 2^40)."""
+    if cfg.n_layer > most:  # every block holds a tensor at least
+        return None
+    try:
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in GPT(replace(cfg, n_layer=1)).state_dict().items()}
+    except RuntimeError:  # a tensor of more elements than int64 counts: no file holds one
+        return None
+    block = {k.removeprefix("blocks.0."): s for k, s in shapes.items() if k.startswith("blocks.0.")}
+    ve = {f"value_embeds.{i}.weight": shapes["value_embeds.0.weight"] for i in cfg.value_embed_layers()}
+    rest = {k: s for k, s in shapes.items() if not k.startswith(("blocks.", "value_embeds."))}
+    if len(rest) + len(ve) + cfg.n_layer * len(block) > most:
+        return None
+    return rest | ve | {f"blocks.{i}.{k}": s for i in range(cfg.n_layer) for k, s in block.items()}

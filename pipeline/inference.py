@@ -8,14 +8,11 @@ and its tokenizer's ids the model's vocabulary.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.data_prep.errors import DataError
@@ -27,8 +24,16 @@ from lmforge.data_prep.tokenizer import (
     save_tokenizer_dir,
 )
 from lmforge.model import GPT, ModelConfig
+from lmforge.model.model import state_shapes
 from lmforge.pipeline.checkpoint.format import CheckpointMeta, read_meta, resolve
-from lmforge.pipeline.checkpoint.hf_init import hf_dir, load_hf_model
+from lmforge.pipeline.checkpoint.hf_init import (
+    check_tables_fit,
+    hf_dir,
+    load_hf_model,
+    mismatch,
+    safetensors_file,
+    stored_tensors,
+)
 from lmforge.pipeline.checkpoint.safe_dcp import (
     SafeFileSystemReader,
     load_into,
@@ -37,7 +42,6 @@ from lmforge.pipeline.checkpoint.safe_dcp import (
     single_process_ok,
 )
 from lmforge.pipeline.config import JobConfig
-from lmforge.pipeline.parallel.materialize import meta_gpt
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -67,16 +71,15 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     ckpt = resolve(path)
     meta = read_meta(ckpt)
     check_tokenizer_fits(ckpt / "tokenizer", meta.model)
-    check_tables_fit(meta.model, ckpt)
+    check_tables_fit(meta.model, ckpt / "meta.json")
     weights = ckpt / WEIGHTS_FILE
     export = weights.is_file()
-    stored = safetensors_shapes(weights) if export else dcp_shapes(ckpt)
-    # meta_gpt: shapes only, what the stored weights must match before any is allocated.
-    check_stored_shapes(stored, meta_gpt(meta.model), meta.model.tie_embeddings,
-                        weights if export else ckpt)
+    stored = {k: t.shape for k, t in stored_tensors(weights).items()} if export else dcp_shapes(ckpt)
+    check_stored_shapes(stored, meta.model, weights if export else ckpt)
     model = GPT(meta.model)
     if export:
-        state = read_safetensors(weights)
+        with safetensors_file(weights) as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
     else:
         box = {"model": dict(model.state_dict())}
         with single_process_ok():
@@ -115,25 +118,6 @@ def check_tokenizer_fits(tokenizer_dir: Path, cfg: ModelConfig) -> None:
                                      "the one the model was trained with")
 
 
-def check_tables_fit(cfg: ModelConfig, where: Path) -> None:
-    """The RoPE tables (2 x max_seq_len x head_dim fp32), the one size meta.json sets that no
-    stored weight confirms, within this machine's memory."""
-    need = 2 * cfg.max_seq_len * cfg.head_dim * 4
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have // 4:
-        raise refusal(where / "meta.json", f"its max_seq_len {cfg.max_seq_len:,} needs "
-                                           f"{need / 2**30:,.1f} GiB of RoPE tables")
-
-
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape from a safetensors header (no tensor data read)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise refusal(path, f"not a readable safetensors file ({e})") from None
-
-
 def dcp_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
     """Each model tensor's shape from a DCP checkpoint's (safely read) metadata."""
     stored = SafeFileSystemReader(ckpt).read_metadata().state_dict_metadata
@@ -141,23 +125,9 @@ def dcp_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise refusal(path, f"not a readable safetensors file ({e})") from None
-
-
-def check_stored_shapes(stored: dict[str, tuple[int, ...]], skeleton: GPT, tied: bool,
-                        where: Path) -> None:
-    """Every weight of `skeleton` stored with its shape (a tied LM head may be absent), and
-    nothing else stored."""
-    ours = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    wrong = [f"{k}: {stored[k]} vs {ours[k]}" for k in ours if k in stored and stored[k] != ours[k]]
-    missing = [k for k in ours if k not in stored and not (tied and k == "lm_head.weight")]
-    unexpected = [k for k in stored if k not in ours]
-    if wrong or missing or unexpected:
-        raise misfit(where, "; ".join([*(f"shape {w}" for w in wrong[:2]),
-                                       *(f"missing {k}" for k in missing[:2]),
-                                       *(f"unexpected {k}" for k in unexpected[:2])]))
-
+def check_stored_shapes(stored: dict[str, tuple[int, ...]], cfg: ModelConfig, where: Path) -> None:
+    """Every weight of meta.json's model stored with its shape (a tied LM head may be absent),
+    nothing else; counted before anything sized by meta.json is built (state_shapes)."""
+    tied = cfg.tie_embeddings
+    if wrong := mismatch(state_shapes(cfg, len(stored) + tied), stored, ("lm_head.weight",) if tied else ()):
+        raise misfit(where, wrong)

@@ -87,22 +87,30 @@ def hf_encode(tok_dir: Path, text: str) -> list[int]:
     return tok.encode(text).ids
 
 
+# Llama 3.2 1B/3B's scaling (factor 32) over a short pretraining context: at rope_theta 500 and
+# head_dim 16 the pairs' wavelengths (6.3 ... 1148 positions) fall in all three of its bands
+# (kept under 32 / 4, stretched over 32, interpolated between).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # Qwen2: q/k/v biases
+
+
 def make_model(out: Path, arch: str = "llama", tie: bool = False, n_kv_head: int = 2,
                shard: str | None = "120KB", head_dim: int | None = None, seed: int = 0,
-               tok_dir: Path | None = None, vocab: int = TOKENIZER_VOCAB):
+               tok_dir: Path | None = None, vocab: int = TOKENIZER_VOCAB, rope: dict | None = None):
     """A random tiny model of the tokenizer's vocabulary saved in `out` (sharded unless
     shard=None), weights large enough that attention is far from uniform; returns the model."""
     import transformers
 
     torch.manual_seed(seed)
-    conf = transformers.LlamaConfig if arch == "llama" else transformers.Qwen3Config
+    conf = getattr(transformers, f"{ARCHS[arch]}Config")
     kw = {"head_dim": head_dim} if head_dim else {}
     cfg = conf(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=n_kv_head,
                max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=tie,
-               rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+               rope_parameters=rope or {"rope_type": "default", "rope_theta": 500.0},
                eos_token_id=0, bos_token_id=0, **kw)
-    model = getattr(transformers, f"{'Llama' if arch == 'llama' else 'Qwen3'}ForCausalLM")(cfg)
+    model = getattr(transformers, f"{ARCHS[arch]}ForCausalLM")(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(std=0.25 if p.dim() == 2 else 1.0)

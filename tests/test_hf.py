@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,7 @@ def test_import_refuses_unsupported_variants(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match='rope_parameters = .*"linear"'):
+    with pytest.raises(CheckpointError, match='rope_type = "linear"'):
         load_hf_model(tmp_path)
 
 
@@ -249,6 +250,29 @@ def test_export_parity_and_eos_on_oldest_and_newest_transformers(long_rope_expor
     assert exported["max_diff"] < TOL
     assert exported["config_eos"] == exported["generation_eos"] == exported["tokenizer_eos"] == eot
     assert exported["encoded"] == encoded
+
+
+@pytest.mark.parametrize("which", ["installed", "oldest"])
+def test_rope_scaling_and_qkv_bias_exports_on_oldest_and_newest_transformers(long_rope_export, which):
+    """Llama 3.1's rope scaling (config.json's rope_scaling for 4.x, rope_parameters for 5.x) and
+    Qwen2's biases, read back by both transformers with the model's logits."""
+    model, out_dir, io, _, _, eot = long_rope_export
+    options = {"llama3": {"rope_scaling": "llama3", "rope_scaling_factor": 32.0, "rope_original_max_len": 64},
+               "qwen2": {"qkv_bias": True}}
+    check = hf_check_oldest if which == "oldest" else hf_check
+    for name, option in options.items():
+        torch.manual_seed(0)
+        cfg = replace(model.cfg, **option)
+        scaled = with_large_weights(GPT(cfg))
+        d = out_dir.parent / f"{name}_{which}"
+        export_hf(scaled, cfg, d, eos_token_id=eot)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(out_dir / f, d)
+        with torch.no_grad():
+            logits = scaled(io["idx"])
+        (result,) = check([d], io | {"logits": logits})
+        assert result["max_diff"] < TOL, (name, result)
+        assert json.loads((d / "config.json").read_text())["model_type"] == {"llama3": "llama"}.get(name, name)
 
 
 if __name__ == "__main__":  # hf_check_oldest's subprocess: IO_PATH OUT_DIR...

@@ -112,3 +112,27 @@ def test_eval_checks_its_json_path_and_device_before_evaluating(ckpt, tiny_data,
         for command in (base, ["sample", "--ckpt", str(ckpt), "--prompt", "x"]):
             cli_error(capsys, [*command, "--device", "cuda"], "no CUDA device")
     assert (tmp_path / "afile").read_text() == "keep" and os.listdir(ckpt)
+
+
+@pytest.mark.parametrize("layout", ["final", "dcp"])
+def test_a_meta_json_of_many_layers_is_refused_before_a_model_is_built(ckpt, tmp_path, capsys,
+                                                                       monkeypatch, layout):
+    """25,000 layers in meta.json beside a 2-layer checkpoint built a 25,000-layer meta-device GPT
+    before comparing (+700 MiB, 30 s; 10^6 layers ~28 GB): now no GPT of more than the one block
+    model.model.state_shapes reads its shapes off is built before the refusal."""
+    import torch.distributed.checkpoint as dcp
+
+    from lmforge.model.model import GPT
+
+    if layout == "dcp":  # the same weights as a step checkpoint (DCP) of one process
+        step = tmp_path / "step"
+        dcp.save({"model": load_file(ckpt / "model.safetensors")}, checkpoint_id=str(step), no_dist=True)
+        shutil.copy(ckpt / "meta.json", step)
+        shutil.copytree(ckpt / "tokenizer", step / "tokenizer")
+        ckpt = step
+    edit_meta(ckpt, n_layer=25_000)
+    built, init = [], GPT.__init__
+    monkeypatch.setattr(GPT, "__init__", lambda self, cfg: built.append(cfg.n_layer) or init(self, cfg))
+    cli_error(capsys, ["sample", "--ckpt", str(ckpt), "--prompt", "x"], "do not fit",
+              "it describes more tensors, or larger ones, than the")
+    assert max(built, default=1) == 1, built
