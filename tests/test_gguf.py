@@ -243,22 +243,11 @@ def qwen3(tmp_path_factory) -> Path:
     return styled_dir(tmp_path_factory.mktemp("qwen3"), "llama3", arch="qwen3")
 
 
-def loadable(directory: Path) -> Path:
-    """`directory`, skipping the test where lmforge refuses its model (#63 item 2 not in)."""
-    from lmforge.pipeline.errors import CheckpointError
-
-    try:
-        load_for_inference(f"hf:{directory}")
-    except CheckpointError as e:
-        pytest.skip(f"lmforge does not load this model here: {e}")
-    return directory
-
-
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("qwen2")
-    return loadable(random_model(root / "model", "qwen2", split_tokenizer(root / "tok", "qwen2")))
+    return random_model(root / "model", "qwen2", split_tokenizer(root / "tok", "qwen2"))
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +255,7 @@ def llama3_scaled(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("llama3")
     tok = split_tokenizer(root / "tok", "llama3")
-    return loadable(random_model(root / "model", "llama", tok, rope_parameters=LLAMA3_SCALING))
+    return random_model(root / "model", "llama", tok, rope_parameters=LLAMA3_SCALING)
 
 
 def test_gguf_of_qwen2_keeps_its_biases(qwen2, tmp_path):
