@@ -63,17 +63,3 @@ def width_factor(o: LrKeys, group: str, d_model: int) -> float:
 def peak_lrs(o: LrKeys, d_model: int) -> dict[str, float]:
     """Each group's peak lr for a model of width `d_model`: the given lr, width rule applied."""
     return {g: lr * width_factor(o, g, d_model) for g, lr in given_lrs(o).items()}
-
-
-def legacy_optim(d: dict, tied: bool) -> dict:
-    """An optim section written before every key had one meaning (checkpoint format 2, which has
-    optim.muon_lr) in today's keys, same lrs: under muon, optim.lr was the AdamW groups' lr and
-    muon_lr the matrices'; under adamw, optim.lr was already every group's but its own."""
-    d = dict(d)
-    muon_lr = d.pop("muon_lr", 0.02)
-    if d.get("name") == "muon":
-        adamw_lr = d.get("lr", 3e-3)
-        d["lr"], d["scalar_lr"] = muon_lr, adamw_lr
-        d["embed_lr"] = d.get("embed_lr") or adamw_lr
-        d["head_lr"] = 0.0 if tied else d.get("head_lr") or adamw_lr
-    return d
