@@ -1,9 +1,9 @@
 """A Pre-LN decoder-only transformer in the Llama style: RMSNorm, RoPE, grouped-query attention,
 SwiGLU (or GELU) MLP, no biases, token embedding tied to the LM head.
 
-Options from the modded-nanogpt / nanochat recipe, each off by default (bench/recipe.py measures
-them): QK-norm, a squared-ReLU MLP, logit softcapping, zero-initialised residual outputs and
-head, and value embeddings.
+Options from the modded-nanogpt / nanochat recipe, each off by default (measured one by one:
+bench/results/recipe_*.txt): QK-norm, a squared-ReLU MLP, logit softcapping, zero-initialised
+residual outputs and head, and value embeddings.
 
 Dimension key, used in tensor names (x_BTD, q_BHTK, logits_BTV):
     B batch          T time (query positions)     S key positions (KV-cache length)
@@ -160,7 +160,8 @@ def apply_rope(x_BTNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     """Rotate each pair (x[i], x[i + K/2]) by its angle: the half-split layout of Hugging Face
     Llama's rotate_half, so q/k weights export unpermuted. The halves swap by slices and a cat:
     compiled, its backward reads whole runs of each half, where roll's wrapped index made
-    inductor load element by element (bench/step_ab.py rope). cos/sin broadcast to (B, T, 1, K)."""
+    inductor load element by element (bench/step_ab.py's rope line, in git at 517bfd5^). cos/sin
+    broadcast to (B, T, 1, K)."""
     cos, sin = cos.to(x_BTNK.dtype), sin.to(x_BTNK.dtype)
     x1, x2 = x_BTNK.chunk(2, dim=-1)
     return x_BTNK * cos + torch.cat((x2, x1), dim=-1) * sin
@@ -215,7 +216,8 @@ class Attention(nn.Module):
         # enable_gqa lets SDPA read the G shared K/V heads directly instead of materialising
         # H/G copies with repeat_interleave. On CUDA the flash kernel (bf16/fp16) supports it
         # natively (torch documents flash + math only); on CPU the flash kernel measured faster
-        # than repeat_interleave, forward + backward (bench/model_bench.py, "gqa" line).
+        # than repeat_interleave, forward + backward (bench/model_bench.py's "gqa" line, in git at
+        # 517bfd5^).
         y_BHTK = attend(q_BHTK, k_BGSK, v_BGSK, attn_mask=attn_mask, is_causal=is_causal,
                         enable_gqa=G != H)
         return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * K))
