@@ -22,7 +22,7 @@ from lmforge.model.model import ModelConfig
 from lmforge.pipeline.checkpoint.hf_init import init_from_model
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.data.config import DATA_KEYS, DataConfig, validate_data
-from lmforge.pipeline.optim.lrs import peak_lrs
+from lmforge.pipeline.optim.lrs import check_lrs_given, peak_lrs
 from lmforge.pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
 from lmforge.pipeline.typed_config import bad_value as _bad
 
@@ -243,7 +243,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     file_optim = dict(d.get("optim", {}))
     d, overrides = init_from_model(d, list(overrides))  # [model] from its config.json
     cfg = config_from_dict(apply_overrides(JobConfig, d, overrides))
-    _check_lrs_given(cfg.optim, file_optim, named, path)
+    check_lrs_given(cfg.optim, file_optim, named, path, OptimConfig.name)
     return cfg
 
 
@@ -261,26 +261,6 @@ def _refuse_gone_keys(d: dict[str, Any], overrides: Sequence[str]) -> None:
     for key in [*given, *(k for k, _ in parse_overrides(list(overrides)))]:
         if key in GONE_KEYS:
             raise ConfigError(f"'{key}' is gone: {GONE_KEYS[key]}")
-
-
-def _check_lrs_given(o: OptimConfig, file_optim: dict[str, Any], named: dict[str, str],
-                     path: str | os.PathLike | None) -> None:
-    """The lrs read are the ones meant. A file for muon names its AdamW groups' lrs: one that does
-    not was written when optim.lr was their lr (and muon_lr, default 0.02, the matrices'). An
-    optimizer switched on the command line takes its own optim.lr: the file's is the other's."""
-    if o.name == "muon" and file_optim.get("name") == "muon" and "scalar_lr" not in file_optim:
-        raise ConfigError(
-            f"config file '{path}' sets optim.name = \"muon\" without optim.scalar_lr: under muon "
-            "optim.lr is Muon's (the matrices'), the AdamW groups' are optim.embed_lr, "
-            "optim.scalar_lr (and optim.head_lr when untied); name them in the file (a file "
-            "written before they existed gave them as optim.lr: configs/tiny.toml shows today's)")
-    if "optim.name" in named and o.name != file_optim.get("name", OptimConfig.name) \
-            and "optim.lr" not in named:
-        raise ConfigError(
-            f"--optim.name {o.name} without --optim.lr: the lr {o.lr:g} is "
-            f"{'the file' if path else 'the default'}'s for {file_optim.get('name', OptimConfig.name)}; "
-            "set --optim.lr to the matrices' peak lr under " + o.name + " (AdamW's ~3e-3, "
-            "Muon's ~0.03 at d_model 256), and check optim.embed_lr, scalar_lr, head_lr")
 
 
 def wsd_decay_steps(max_steps: int, o: OptimConfig) -> int:
