@@ -1,5 +1,5 @@
 """The sharded path's memory promise, at the CLI: each FSDP2 rank of a 2-rank run peaks below one
-process training the same model by at least one fp32 copy of the model (issue 62 #21: both once
+process training the same model by at least one fp32 copy of the model (both once
 peaked at the same RSS). A ratio within one test, not a figure: bench/fsdp_memory.py has those."""
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ OLD_CONFIGS = ROOT / "tests" / "data" / "configs_before_lr_keys"
 
 @pytest.mark.parametrize("preset", ["tiny.toml", "gpt2_124m_modern.toml"])
 def test_a_preset_from_before_the_lr_keys_changed_is_refused_in_one_line(tmp_path, capsys, preset):
-    """Issue 62 #7: the old tiny.toml (name = "muon", lr = 3e-3: the AdamW groups', Muon's the
+    """The old tiny.toml (name = "muon", lr = 3e-3: the AdamW groups', Muon's the
     default muon_lr 0.02) was read as Muon at 3e-3; the old gpt2_124m_modern as Muon at 6e-4 (33x
     lower). A muon file that does not name optim.scalar_lr is such a file: refused, whatever the
     command line adds, and nothing trains."""
@@ -162,7 +162,7 @@ def test_a_config_naming_a_gone_key_is_one_line_naming_todays(tmp_path, capsys, 
 
 
 def test_switching_a_presets_optimizer_needs_its_own_lr(tiny_data, capsys):
-    """Issue 62 #8: --optim.name adamw on tiny.toml trained AdamW's matrices at Muon's 0.03 (0.12
+    """--optim.name adamw on tiny.toml trained AdamW's matrices at Muon's 0.03 (0.12
     at d_model 64 through the width rule) and the loss climbed without a word. Refused in one
     line naming --optim.lr; with it, the run is what it asks for. Keeping the preset's optimizer
     needs nothing."""
@@ -185,7 +185,7 @@ def test_switching_a_presets_optimizer_needs_its_own_lr(tiny_data, capsys):
     ("data = 3\n", "'data' must be a section"),
 ])
 def test_a_config_file_of_the_wrong_types_is_one_line(tmp_path, capsys, text, needle):
-    """Issue 62 #16: [checkpoint] and [data] were read (init_from, the data keys) before the
+    """[checkpoint] and [data] were read (init_from, the data keys) before the
     file's types were checked: an AttributeError / TypeError traceback. Now one line, exit 2."""
     bad = tmp_path / "config.toml"
     bad.write_text(text)

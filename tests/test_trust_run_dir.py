@@ -121,7 +121,7 @@ def test_a_lock_that_cannot_be_opened_is_one_line(kind, run, tiny_data, tmp_path
 def test_a_wandb_entry_that_is_no_directory_is_refused_before_wandb_writes(kind, run, tiny_data,
                                                                            tmp_path, capsys,
                                                                            monkeypatch):
-    """Issue 62 #5: wandb writes RUN/wandb/... itself, through a `wandb` link in a copied run
+    """wandb writes RUN/wandb/... itself, through a `wandb` link in a copied run
     directory (its config, console log and .wandb file outside). Refused with one line, like
     every run file, before wandb starts; the link's target keeps its bytes."""
     monkeypatch.setenv("WANDB_MODE", "offline")  # wandb offline writes without network
