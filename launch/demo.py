@@ -45,7 +45,7 @@ from lmforge.pipeline.parallel.parallelize import Precision
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "
 NEXTLINE_EXAMPLES = 400  # questions of the built-in task scored at the end (100 in the loop)
-PROBE_STEPS = 6  # the probe's steps: the first pays for warm-up, the others are timed
+PROBE_STEPS = 4  # the probe's steps: the first pays for warm-up, the others are timed
 SAFETY = 0.9  # of the time left planned for: step times drift (thermal, a shared machine)
 FULL = {"data": {"tokenizer": "bpe:4096"}, "train": []}
 QUICK = {
