@@ -5,12 +5,13 @@
     eval     perplexity and bits per byte on the whole val split
     sample   a continuation of "def "
 
-Training gets a time budget (`--minutes`, default 5): its first steps are timed and the run is
-sized to fit (at most the preset's 200 steps), so the demo, set-up included, ends within ~10
-minutes on any 2-core machine; the chosen length is written to RUN/config.toml.
+Training gets a time budget (`--minutes`, default 5): a probe run of a few steps, with one round
+of eval, downstream tasks, samples and export, times this machine, and the run is given the most
+steps that fit (`--train.max_steps`, at most the preset's 200), as nanochat fixes its horizon
+before it starts; the demo, set-up included, ends within ~10 minutes on any 2-core machine.
 Stages that already finished are reused: prepare is a no-op on a prepared directory, and training
 is skipped when RUN/final exists (an interrupted run resumes from its newest checkpoint, to the
-length it chose at its start).
+length in RUN/config.toml).
 `--quick` runs every stage on a slice with a smaller model in about a minute: a smoke test whose
 numbers mean nothing.
 """
@@ -22,6 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from lmforge.launch.evaluate import evaluate_checkpoint, evaluate_tasks_of, load
 from lmforge.launch.prepare import summary
 from lmforge.launch.sample import write_sample
 from lmforge.model import SamplingParams
-from lmforge.pipeline.checkpoint.format import CheckpointError
+from lmforge.pipeline.checkpoint.format import CheckpointError, list_complete, read_meta
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.config import ConfigError, JobConfig, load_config
 from lmforge.pipeline.hardware import dtype_name
@@ -43,6 +45,8 @@ from lmforge.pipeline.parallel.parallelize import Precision
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "
 NEXTLINE_EXAMPLES = 400  # questions of the built-in task scored at the end (100 in the loop)
+PROBE_STEPS = 4  # the probe's steps: the first pays for warm-up, the others are timed
+SAFETY = 0.9  # of the time left planned for: step times drift (thermal, a shared machine)
 FULL = {"data": {"tokenizer": "bpe:4096"}, "train": []}
 QUICK = {
     "data": {"tokenizer": "bpe:1024", "max_docs": 200, "val_docs": 10},
@@ -69,13 +73,60 @@ def banner(i: int, title: str) -> None:
     print(f"\n=== [{i}/4] {title}", flush=True)
 
 
-def run_training(data: Path, run: Path, nproc: int, overrides: list[str]) -> None:
+def train_cmd(data: Path, run: Path, nproc: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "lmforge.launch.cli", "train", "--nproc", str(nproc),
+            "--config", str(CONFIG), "--data.path", str(data), "--log.out_dir", str(run),
+            "--resume", "auto", *overrides]
+
+
+def hook_steps(cfg: JobConfig, steps: int) -> int:
+    """Steps of a `steps`-step run at which eval, tasks, samples or a checkpoint run."""
+    every = [e for e in (cfg.eval.every, cfg.eval.tasks_every, cfg.sample.every,
+                         cfg.checkpoint.every) if e]
+    return len({s for e in every for s in range(e, steps, e)} | {steps})
+
+
+def fit_steps(data: Path, nproc: int, overrides: list[str], budget_s: float) -> int:
+    """The most steps (at most the preset's, at least its warmup + 1) whose run fits what is left
+    of `budget_s` once a probe run of PROBE_STEPS has timed this machine: its set-up, its steps
+    and one round of every hook (eval, tasks, samples, checkpoint, export) at its last step."""
+    cfg, t0 = load_config(str(CONFIG)), time.time()
+    with tempfile.TemporaryDirectory(prefix="lmforge-probe-") as probe:
+        res = subprocess.run(train_cmd(data, Path(probe), nproc, [
+            *overrides, "--train.max_steps", str(PROBE_STEPS), "--log.log_every", "1",
+            "--eval.every", "0", "--eval.tasks_every", "0", "--sample.every", "0",
+            "--checkpoint.every", "0"]), capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.stderr.write(res.stdout[-4000:] + res.stderr[-4000:])
+            raise CheckpointError(f"the probe run exited with status {res.returncode} (its log "
+                                  "is above); fix that, then re-run the demo")
+        end, rows = time.time(), [json.loads(r) for r in RunDir(probe).metrics.open()]
+    dts = [cfg.train.global_batch_tokens / r["tokens_per_s"] for r in rows]
+    step_s = statistics.median(dts[1:])
+    setup_s = rows[0]["time"] - t0 - step_s  # the first step's warm-up included
+    round_s = rows[-1]["time"] - rows[-2]["time"] - dts[-1]
+    left_s = SAFETY * budget_s - (end - t0) - setup_s - (end - rows[-1]["time"])
+    floor = min(cfg.train.max_steps, cfg.optim.warmup_steps + 1)
+    steps = next((n for n in range(cfg.train.max_steps, floor, -1)
+                  if n * step_s + hook_steps(cfg, n) * round_s <= left_s), floor)
+    print(f"probe: {step_s:.2f} s/step, set-up {setup_s:.0f} s, a round of eval, tasks, samples "
+          f"and export {round_s:.0f} s, the probe itself {end - t0:.0f} s -> {steps} steps "
+          f"(at most {cfg.train.max_steps}) in the {budget_s:g} s budget", flush=True)
+    return steps
+
+
+def run_training(data: Path, run: Path, nproc: int, overrides: list[str],
+                 budget_s: float) -> None:
     if (RunDir(run).final / "meta.json").is_file():
         print(f"already trained: {run / 'final'} exists (delete {run} to train again)")
         return
-    cmd = [sys.executable, "-m", "lmforge.launch.cli", "train", "--nproc", str(nproc),
-           "--config", str(CONFIG), "--data.path", str(data), "--log.out_dir", str(run),
-           "--resume", "auto", *overrides]
+    if saved := list_complete(RunDir(run).checkpoints):  # resumed: to the length it started with
+        steps = read_meta(saved[-1]).config.train.max_steps
+        overrides = [*overrides, "--train.max_steps", str(steps)]
+    elif budget_s:
+        overrides = [*overrides, "--train.max_steps", str(fit_steps(data, nproc, overrides,
+                                                                     budget_s))]
+    cmd = train_cmd(data, run, nproc, overrides)
     print("$ " + " ".join(cmd[1:]), flush=True)
     rc = subprocess.call(cmd)
     if rc != 0:
@@ -108,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(manifest))
 
     banner(2, f"train {CONFIG.name} -> {run}")
-    budget = ["--train.time_budget_s", str(args.minutes * 60)] if args.minutes and not args.quick else []
-    run_training(data, run, args.nproc, plan["train"] + budget)
+    run_training(data, run, args.nproc, plan["train"],
+                 0.0 if args.quick else args.minutes * 60)
 
     banner(3, "evaluate on the whole val split")
     info = init_distributed("auto")
@@ -126,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = encode_prompt(enc, PROMPT)
     sampling = SamplingParams(seed=0).fit(len(ids), ckpt.config.max_seq_len)
     sys.stdout.write(PROMPT)
-    run_cfg = load_config(str(RunDir(run).config))  # as resolved: the length the budget chose
+    run_cfg = ckpt.meta.config  # as resolved: the length the probe chose
     # The rules training and sampling apply (the same train.dtype, each for its workload).
     trained_in = Precision.resolve(run_cfg.train.dtype, info.device).dtype
     write_sample(ckpt, enc, ids, sampling, sys.stdout,

@@ -2,9 +2,9 @@
 SwiGLU (or GELU) MLP, no biases (q/k/v biases as an option: Qwen2), token embedding tied to the
 LM head; RoPE plain or with Llama 3.1's frequency scaling.
 
-Options from the modded-nanogpt / nanochat recipe, each off by default (bench/recipe.py measures
-them): QK-norm, a squared-ReLU MLP, logit softcapping, zero-initialised residual outputs and
-head, and value embeddings.
+Options from the modded-nanogpt / nanochat recipe, each off by default (measured one by one:
+bench/results/recipe_*.txt): QK-norm, a squared-ReLU MLP, logit softcapping, zero-initialised
+residual outputs and head, and value embeddings.
 
 Dimension key, used in tensor names (x_BTD, q_BHTK, logits_BTV):
     B batch          T time (query positions)     S key positions (KV-cache length)
@@ -219,7 +219,8 @@ class Attention(nn.Module):
         # enable_gqa lets SDPA read the G shared K/V heads directly instead of materialising
         # H/G copies with repeat_interleave. On CUDA the flash kernel (bf16/fp16) supports it
         # natively (torch documents flash + math only); on CPU the flash kernel measured faster
-        # than repeat_interleave, forward + backward (bench/model_bench.py, "gqa" line).
+        # than repeat_interleave, forward + backward (bench/model_bench.py's "gqa" line, in git at
+        # 517bfd5^).
         y_BHTK = attend(q_BHTK, k_BGSK, v_BGSK, attn_mask=attn_mask, is_causal=is_causal,
                         enable_gqa=G != H)
         return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * K))

@@ -22,7 +22,7 @@ from lmforge.model.model import ModelConfig
 from lmforge.pipeline.checkpoint.hf_init import init_from_model
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.data.config import DATA_KEYS, DataConfig, validate_data
-from lmforge.pipeline.optim.lrs import legacy_optim, peak_lrs
+from lmforge.pipeline.optim.lrs import check_lrs_given, peak_lrs
 from lmforge.pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
 from lmforge.pipeline.typed_config import bad_value as _bad
 
@@ -30,10 +30,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
-
-CALIBRATION_STEPS = 5
-"""Steps timed (the first excluded) before pipeline.budget sizes a run; <= optim.warmup_steps."""
-
 
 @dataclass
 class TrainConfig:
@@ -44,10 +40,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Sequences per rank per micro-step (forward/backward); trades memory for accumulation."""
     max_steps: int = 200
-    """Optimizer steps of the whole run (with time_budget_s: at most this many)."""
-    time_budget_s: float = 0.0
-    """Wall-clock budget in seconds, 0 = off: max_steps is lowered from the first steps' timings
-    so that the run with its evals, samples and checkpoints fits (then recorded in config.toml)."""
+    """Optimizer steps of the whole run."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype (weights and optimizer state stay fp32). auto = bf16 on GPUs with bf16 tensor
     cores and CPUs with AVX512-BF16/AMX (LMFORGE_CPU_BF16=native|emulated overrides), else fp32."""
@@ -239,17 +232,35 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
         except (OSError, UnicodeDecodeError) as e:  # a directory, a permission, binary bytes
             raise ConfigError(f"cannot read config file '{path}' ({e}); give a TOML file") from None
-    optim, model = d.get("optim"), d.get("model")
-    if isinstance(optim, dict) and "muon_lr" in optim:  # written for the old lr keys: same lrs now
-        tied = model.get("tie_embeddings", True) if isinstance(model, dict) else True
-        d["optim"] = legacy_optim(optim, tied)
+    _refuse_gone_keys(d, overrides)
+    from_dict(JobConfig, d)  # the file's types first: init_from and the data keys are read below
+    named = dict(parse_overrides(list(overrides)))
     # The data named on the command line replaces the file's, whichever way each names it.
-    if named := {k for k, _ in parse_overrides(list(overrides))} & {f"data.{k}" for k in DATA_KEYS}:
+    if named.keys() & {f"data.{k}" for k in DATA_KEYS}:
         for key in DATA_KEYS:
             if f"data.{key}" not in named:
                 d.get("data", {}).pop(key, None)
+    file_optim = dict(d.get("optim", {}))
     d, overrides = init_from_model(d, list(overrides))  # [model] from its config.json
-    return config_from_dict(apply_overrides(JobConfig, d, overrides))
+    cfg = config_from_dict(apply_overrides(JobConfig, d, overrides))
+    check_lrs_given(cfg.optim, file_optim, named, path, OptimConfig.name)
+    return cfg
+
+
+# Keys a past lmforge read: nothing translates them, the error names what says the same today.
+GONE_KEYS = {
+    "optim.muon_lr": "Muon's lr is optim.lr under optim.name = muon (optim.lr is the matrices' lr "
+                     "under both optimizers); the AdamW groups' are optim.embed_lr, head_lr, scalar_lr",
+    "train.time_budget_s": "set the run's length with train.max_steps (`lmforge demo --minutes M` "
+                           "times a few steps first and passes it)",
+}
+
+
+def _refuse_gone_keys(d: dict[str, Any], overrides: Sequence[str]) -> None:
+    given = [f"{s}.{k}" for s, section in d.items() if isinstance(section, dict) for k in section]
+    for key in [*given, *(k for k, _ in parse_overrides(list(overrides)))]:
+        if key in GONE_KEYS:
+            raise ConfigError(f"'{key}' is gone: {GONE_KEYS[key]}")
 
 
 def wsd_decay_steps(max_steps: int, o: OptimConfig) -> int:
@@ -293,13 +304,6 @@ def validate(cfg: JobConfig) -> None:
         need(flat[key] != "", key, expected)
     need(d.seq_len <= m.max_seq_len, "data.seq_len", f"<= model.max_seq_len ({m.max_seq_len})")
     need(t.ddp_bucket_mb >= 1, "train.ddp_bucket_mb", "MiB >= 1 (compiled DDP's least)")
-    need(t.time_budget_s >= 0, "train.time_budget_s", "seconds >= 0; 0 = off")
-    # The budget is measured inside the warmup, where the schedule does not depend on max_steps.
-    need(t.time_budget_s == 0 or o.warmup_steps >= CALIBRATION_STEPS, "optim.warmup_steps",
-         f">= {CALIBRATION_STEPS} with train.time_budget_s (its first steps are timed during the "
-         "warmup, before the lr schedule depends on max_steps)")
-    need(t.time_budget_s == 0 or t.max_steps > o.warmup_steps, "train.max_steps",
-         f"> optim.warmup_steps ({o.warmup_steps}) with train.time_budget_s")
     need(o.lr > 0, "optim.lr", "a finite number > 0")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "between 0 and 1")
     need(0 < o.decay_fraction <= 1, "optim.decay_fraction", "in (0, 1]")
@@ -396,12 +400,10 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
         f"batch:     {t.global_batch_tokens:,} tokens/step = {t.micro_batch_size} seqs x "
         f"{cfg.data.seq_len} tokens x {derived.world_size} ranks x {derived.grad_accum_steps} "
         f"accumulation steps ({derived.sequences_per_step} sequences/step)",
-        f"training:  {'at most ' if t.time_budget_s else ''}{t.max_steps:,} steps x "
+        f"training:  {t.max_steps:,} steps x "
         f"{t.global_batch_tokens:,} tokens = "
         f"{_human(derived.total_tokens)} tokens ({derived.total_tokens / max(n_params, 1):.2f} "
-        f"tokens/param; Chinchilla-optimal is ~20)"
-        + (f"; sized to a {t.time_budget_s:g} s budget after {CALIBRATION_STEPS} timed steps"
-           if t.time_budget_s else ""),
+        f"tokens/param; Chinchilla-optimal is ~20)",
         f"lr:        each group's peak after {o.warmup_steps} warmup steps, {decay}",
         f"optimizer: {_describe_optimizer(o, m)}",
         f"numerics:  dtype {t.dtype} (fp32 master weights), compile {t.compile}, attention "

@@ -207,12 +207,6 @@ class Progress:
             get_logger().info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | "
                               f"{stats} | ETA {eta}")
 
-    def set_length(self, total_steps: int, log_every: int) -> None:
-        """A run whose length was fixed after it started (a time budget, pipeline/budget.py)."""
-        self.total_steps, self.log_every = total_steps, log_every
-        self._bar.total = total_steps
-        self._bar.refresh()
-
     def close(self) -> None:
         self._bar.close()
 

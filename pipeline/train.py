@@ -10,7 +10,7 @@ completed optimizer steps: step s's loss is the loss of the s-th update.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import torch
 from lmforge.data_prep.shards import load_manifest
 from lmforge.data_prep.tokenizer import check_tokenizer_is, dataset_tokenizer, token_byte_lengths
 from lmforge.model import GPT, ModelConfig
-from lmforge.pipeline import attention, budget
+from lmforge.pipeline import attention
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.checkpoint.async_writer import Checkpointer
 from lmforge.pipeline.checkpoint.hf_init import start_from
@@ -85,14 +85,12 @@ class TrainData:
 
 
 def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, eval_cfg: EvalConfig, *,
-               vocab_size: int, grad_accum_steps: int, info: DistInfo,
-               max_steps: Callable[[], int]) -> TrainData:
+               vocab_size: int, grad_accum_steps: int, info: DistInfo) -> TrainData:
     tokenizer_dir = Path(data_cfg.first_path) / "tokenizer"  # every source's (checked)
     tokenizer = dataset_tokenizer(data_cfg.first_path)
     sources, phases = train_sources(data_cfg, vocab_size)
     loader = TrainLoader(sources, train_cfg.micro_batch_size, grad_accum_steps, info.rank,
-                         info.world_size, train_cfg.seed, phases,
-                         max_steps=max_steps)  # a time budget may change it
+                         info.world_size, train_cfg.seed, phases, train_cfg.max_steps)
     val = val_sets(data_cfg, eval_cfg, vocab_size, info.rank, info.world_size)
     token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).long()
     return TrainData(tokenizer, tokenizer_dir, token_bytes, loader, val, is_mixture(data_cfg))
@@ -123,7 +121,6 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: DistInfo):
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.log.out_dir)
-        self.length = budget.RunLength(cfg, info, self.run_dir)  # first: the budget covers the set-up
         self.model_cfg = model_config_for(cfg.model, load_manifest(cfg.data.first_path).vocab_size)
         self.derived = derive(cfg, info.world_size)  # a batch that does not divide: error
         grad_accum_steps = self.derived.grad_accum_steps
@@ -132,8 +129,7 @@ class Trainer:
             resume_from, self.model_cfg, cfg.optim, cfg.data)
 
         self.data = build_data(cfg.data, cfg.train, cfg.eval, vocab_size=self.model_cfg.vocab_size,
-                               grad_accum_steps=grad_accum_steps, info=info,
-                               max_steps=lambda: self.cfg.train.max_steps)
+                               grad_accum_steps=grad_accum_steps, info=info)
         started = None if resume_meta is None else resume_meta.config.train
         dtype = kept(cfg.train, started, "dtype")  # a resume computes in its run's dtype
         self.precision = Precision.resolve(dtype, info.device)
@@ -170,13 +166,8 @@ class Trainer:
         t = resolve_choices(self.cfg.train, self.info.device, self.precision.dtype,
                             self.cfg.data.seq_len, self.model_cfg.padded_vocab_size,
                             started and started.train)
-        # The config a budget's length applies to; a resumed run keeps its eval.tasks.
-        self.length.cfg = keep_tasks(replace(self.cfg, train=t), started)
-        self._rebind(self.length.cfg)
-
-    def _rebind(self, cfg: JobConfig) -> None:
-        """The config after the start: the resolved choices, then the length a budget fixed."""
-        self.cfg, self.derived = cfg, derive(cfg, self.info.world_size)
+        # A resumed run keeps its eval.tasks. Set once: the config is fixed from here on.
+        self.cfg = keep_tasks(replace(self.cfg, train=t), started)
 
     def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:
         ckpt.load_training(where, self.parallel.module, self.optimizer, self.info)
@@ -184,8 +175,6 @@ class Trainer:
         self.step, self.bad_steps = meta.step, meta.bad_steps
         self.step_record = meta.record
         self.lineage, self.parent_step, self.source = meta.lineage, meta.step, meta.source
-        self.length.keep_fixed(meta.config)
-        self._rebind(self.length.cfg)
         if self.step > (max_steps := self.cfg.train.max_steps):
             raise ConfigError(f"checkpoint {where} is at step {self.step}, past this run's "
                               f"train.max_steps = {max_steps}: there is nothing to train; resume "
@@ -308,19 +297,6 @@ class Trainer:
                                    self.data.tokenizer_dir)
         return out
 
-    def _hook_costs(self) -> budget.HookCosts:
-        """One eval batch and one round of samples, timed; checkpoints estimated from size."""
-        # Untimed first: the first eval forward pays one-time set-up (on a CPU many times a
-        # warm batch), which would otherwise be counted once per eval batch.
-        self.run_eval(n_batches=1)
-        t0 = budget.now()
-        self.run_eval(n_batches=1)
-        eval_s = (budget.now() - t0) * sum(len(v.batches) for v in self.data.val) / len(self.data.val)
-        t0 = budget.now()
-        self.run_samples()
-        return budget.HookCosts.estimate(eval_s, budget.now() - t0, self.model.num_params(),
-                                         self.downstream.estimate_s(self.parallel.module))
-
     # ---- the loop ---------------------------------------------------------------------------
 
     def fit(self) -> int:
@@ -328,7 +304,7 @@ class Trainer:
         progress = Progress(self.cfg.train.max_steps, self.cfg.log.log_every, self.info.is_main,
                             start_step=self.step)
         final = None
-        while self.step < self.cfg.train.max_steps:  # self.cfg: a time budget may rebind it
+        while self.step < self.cfg.train.max_steps:
             self.checkpointer.poll()  # completes a background save whose write is done
             record, stop = self._step(progress)
             finished = self.step == self.cfg.train.max_steps
@@ -368,16 +344,13 @@ class Trainer:
         cfg, step_tokens = self.cfg, self.cfg.train.global_batch_tokens
         lr = apply_schedule(self.optimizer, self.step, cfg.train.max_steps, cfg.optim,
                             self.model_cfg.d_model)
-        t0 = budget.now()
+        t0 = time.perf_counter()
         loss, grad_norm, stop = self.train_step()
         # No extra cuda.synchronize: train_step syncs once before its optimizer step, which
         # then overlaps the next step's start; in steady state dt is still one step's time.
-        dt = budget.now() - t0
+        dt = time.perf_counter() - t0
         self.step += 1
         self.recompiles.check("train", self.step)
-        if (p := self.length.step_done(self.step, dt, self._hook_costs)) is not None:
-            self._rebind(self.length.cfg)
-            progress.set_length(p.max_steps, p.log_every)
         tok_s = step_tokens / dt
         mfu = self.flops_per_token * tok_s / (self.peak * self.info.world_size) if self.peak else None
         record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,

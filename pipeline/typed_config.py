@@ -43,16 +43,7 @@ def section_keys(root: type) -> list[str]:
     return [f"{s}.{k}" for s, cls in field_types(root).items() for k in field_types(cls)]
 
 
-# Keys a past lmforge read, with what says the same today: a near spelling would mislead there.
-RETIRED_KEYS = {
-    "optim.muon_lr": "Muon's lr is optim.lr under optim.name = muon (optim.lr is the matrices' lr "
-                     "under both optimizers); the AdamW groups' are optim.embed_lr, head_lr, scalar_lr",
-}
-
-
 def unknown_key(name: str, candidates: list[str]) -> ConfigError:
-    if name in RETIRED_KEYS:
-        return ConfigError(f"'{name}' is gone: {RETIRED_KEYS[name]}")
     # A right key in the wrong section ('train.lr' -> 'optim.lr') beats a near spelling.
     leaf = name.rsplit(".", 1)[-1]
     close = [c for c in candidates if c.rsplit(".", 1)[-1] == leaf and "." in c][:1]

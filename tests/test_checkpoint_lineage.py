@@ -182,6 +182,9 @@ def test_checkpoint_meta_is_typed_versioned_and_round_trips(trained, tmp_path):
     raw = json.loads((step / "meta.json").read_text())
     assert "parallel" not in raw and raw["version"] == ckpt.VERSION
     assert ckpt.read_meta(run_dir / "final").loader is None
+    train = raw["config"]["train"] | {"time_budget_s": 0.0}  # written before the key went
+    (step / "meta.json").write_text(json.dumps(raw | {"config": raw["config"] | {"train": train}}))
+    assert ckpt.read_meta(step).config == meta.config
     (step / "meta.json").write_text(json.dumps(raw | {"version": 1}))
     with pytest.raises(ckpt.CheckpointError, match="format version 1, this lmforge reads versions 2, 3"):
         ckpt.read_meta(step)

@@ -1,6 +1,7 @@
 """One meaning per lr key under both optimizers, the width rule (optim.lr_ref_width) group by
-group, and runs of the old lr keys: their checkpoints refused for resume in one line (still
-evaluated), their resolved configs read with their old lrs."""
+group, and what a user holds from before the lr keys changed: a checkpoint (refused for resume in
+one line, still evaluated), a config file (refused in one line, never read with another meaning).
+An optimizer switched on the command line takes its own lr."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from bench.runs import env, losses, run_args, train, train_cmd
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline.config import OptimConfig, load_config
 from lmforge.pipeline.optim.optimizers import apply_schedule, build_optimizer, lr_multiplier
+from lmforge.launch.cli import main as cli
 from tests.errors import cli_error, last_error
 
 # The width rule as README "Learning rates" and OptimConfig.lr_ref_width document it: a group's lr
@@ -98,6 +100,7 @@ def _as_old_format(step_dir, adamw_lr: float) -> None:
     for key in ("scalar_lr", "lr_ref_width"):
         del optim[key]
     optim["embed_lr"] = 0.0
+    meta["config"]["train"]["time_budget_s"] = 0.0
     meta["version"] = 2
     (step_dir / "meta.json").write_text(json.dumps(meta))
 
@@ -113,39 +116,77 @@ def test_an_old_format_run_is_refused_for_resume_in_one_line_but_still_evaluates
     res = _run(run_args(tiny_data, run_dir, *muon, "--train.max_steps", "4", "--checkpoint.resume", "auto"))
     last_error(res, "is of format 2", "cannot be resumed here", "start a new run directory")
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
-    # eval reads it, its lrs in today's keys
+    # eval reads it (its optim section, of the old keys, unread)
     out = tmp_path / "eval.json"
     ev = subprocess.run([*train_cmd([], module="lmforge.launch.cli"), "eval", "--ckpt", str(step2),
                          "--data", str(tiny_data), "--json", str(out)],
                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert ev.returncode == 0 and json.loads(out.read_text())["loss"] > 0, ev.stderr[-3000:]
-    from lmforge.pipeline.checkpoint.format import read_meta
-
-    o = read_meta(step2).config.optim
-    assert (o.lr, o.embed_lr, o.head_lr, o.scalar_lr) == (0.02, 3e-3, 0.0, 3e-3)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_an_old_config_file_keeps_its_lrs(tmp_path, tied):
-    """A config written for the old keys (it names optim.muon_lr, as every resolved config.toml
-    of such a run does) trains each group at the lr it meant; adamw's meaning is unchanged."""
+OLD_CONFIGS = ROOT / "tests" / "data" / "configs_before_lr_keys"
+
+
+@pytest.mark.parametrize("preset", ["tiny.toml", "gpt2_124m_modern.toml"])
+def test_a_preset_from_before_the_lr_keys_changed_is_refused_in_one_line(tmp_path, capsys, preset):
+    """The old tiny.toml (name = "muon", lr = 3e-3: the AdamW groups', Muon's the
+    default muon_lr 0.02) was read as Muon at 3e-3; the old gpt2_124m_modern as Muon at 6e-4 (33x
+    lower). A muon file that does not name optim.scalar_lr is such a file: refused, whatever the
+    command line adds, and nothing trains."""
+    old = OLD_CONFIGS / preset
+    for extra in ([], ["--optim.scalar_lr", "0.1", "--optim.lr", "0.02"]):
+        cli_error(capsys, ["train", "--config", str(old), "--log.out_dir", str(tmp_path / "r"),
+                           *extra], "without optim.scalar_lr", "optim.embed_lr")
+        assert not (tmp_path / "r").exists()
+    copy = tmp_path / preset  # the same file with today's keys named is read
+    copy.write_text(old.read_text().replace("[optim]\n", "[optim]\nscalar_lr = 3e-3\n"))
+    assert load_config(copy).optim.name == "muon"
+
+
+@pytest.mark.parametrize("text, key, needles", [
+    ('[optim]\nname = "muon"\nlr = 3e-3\nmuon_lr = 0.05\nscalar_lr = 3e-3\n', "optim.muon_lr",
+     ("optim.lr under optim.name = muon", "optim.embed_lr, head_lr, scalar_lr")),
+    ("[train]\ntime_budget_s = 300.0\n", "train.time_budget_s",
+     ("train.max_steps", "lmforge demo --minutes")),
+])
+def test_a_config_naming_a_gone_key_is_one_line_naming_todays(tmp_path, capsys, text, key, needles):
+    """A resolved config.toml of an earlier lmforge names keys that are gone: nothing translates
+    them; the error names what says the same today (a file or the command line)."""
     old = tmp_path / "config.toml"
-    head = "" if tied else "head_lr = 0.0\n"
-    old.write_text(f"[model]\ntie_embeddings = {str(tied).lower()}\n\n[optim]\nname = \"muon\"\n"
-                   f"lr = 0.003\nmuon_lr = 0.05\nembed_lr = {0.0 if tied else 0.1}\n{head}")
+    old.write_text(text)
+    cli_error(capsys, ["train", "--config", str(old)], f"'{key}' is gone", *needles)
+    cli_error(capsys, ["train", f"--{key}", "1"], f"'{key}' is gone", *needles)
+    old.write_text('[optim]\nname = "adamw"\nlr = 0.001\n')  # adamw's keys meant what they mean
     o = load_config(old).optim
-    assert (o.lr, o.embed_lr, o.scalar_lr) == (0.05, 0.003 if tied else 0.1, 0.003)
-    assert o.head_lr == (0.0 if tied else 0.003)
-    old.write_text("[optim]\nname = \"adamw\"\nlr = 0.001\nmuon_lr = 0.05\n")
-    o = load_config(old).optim
-    assert (o.lr, o.embed_lr, o.head_lr, o.scalar_lr) == (0.001, 0.0, 0.0, 0.0)  # 0 = lr, as before
+    assert (o.lr, o.embed_lr, o.head_lr, o.scalar_lr) == (0.001, 0.0, 0.0, 0.0)
 
 
-@pytest.mark.parametrize("text, section", [("optim = 3\n", "optim"),
-                                           ("model = 3\n[optim]\nname = \"muon\"\nmuon_lr = 0.02\n", "model")])
-def test_an_old_config_file_with_a_section_that_is_not_one_is_one_line(tmp_path, capsys, text, section):
-    """The old keys' reading looks into [optim] and [model] before their types are checked: a file
-    where either is a value is still one error line naming the section, exit 2."""
+def test_switching_a_presets_optimizer_needs_its_own_lr(tiny_data, capsys):
+    """--optim.name adamw on tiny.toml trained AdamW's matrices at Muon's 0.03 (0.12
+    at d_model 64 through the width rule) and the loss climbed without a word. Refused in one
+    line naming --optim.lr; with it, the run is what it asks for. Keeping the preset's optimizer
+    needs nothing."""
+    base = ["train", "--config", str(ROOT / "configs" / "tiny.toml"), "--data.path",
+            str(tiny_data), "--dry-run"]
+    cli_error(capsys, [*base, "--optim.name=adamw", "--model.d_model", "64"],
+              "--optim.name adamw without --optim.lr", "the file's for muon", "set --optim.lr")
+    cli_error(capsys, ["train", "--optim.name", "muon"], "--optim.name muon without --optim.lr",
+              "the default's for adamw")
+    for ok in (["--optim.name", "adamw", "--optim.lr", "3e-3"], ["--optim.name", "muon"]):
+        assert cli([*base, *ok]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("checkpoint = 3\n", "'checkpoint' must be a section"),
+    ("optim = 3\n", "'optim' must be a section"),
+    ("[checkpoint]\ninit_from = 5\n", "'checkpoint.init_from': 5 (expected str)"),
+    ('[checkpoint]\ninit_from = ["a"]\n', "'checkpoint.init_from': ['a'] (expected str)"),
+    ("data = 3\n", "'data' must be a section"),
+])
+def test_a_config_file_of_the_wrong_types_is_one_line(tmp_path, capsys, text, needle):
+    """[checkpoint] and [data] were read (init_from, the data keys) before the
+    file's types were checked: an AttributeError / TypeError traceback. Now one line, exit 2."""
     bad = tmp_path / "config.toml"
     bad.write_text(text)
-    cli_error(capsys, ["train", "--config", str(bad)], f"'{section}' must be a section")
+    cli_error(capsys, ["train", "--config", str(bad)], needle)

@@ -50,7 +50,7 @@ def sources(tmp_path, sizes=((100, 37, 250, 1, 60), (90, 40))):
 
 def step_rows(srcs, phases, steps, world, accum, mbs=2, seed=0, state=None):
     """Per step: the (source, first token) of every global row, over ranks in rank order."""
-    loaders = [TrainLoader(srcs, mbs, accum, r, world, seed, phases, max_steps=lambda: 40)
+    loaders = [TrainLoader(srcs, mbs, accum, r, world, seed, phases, max_steps=40)
                for r in range(world)]
     for loader in loaders:
         if state is not None:
@@ -91,22 +91,6 @@ def test_checkpoint_of_another_mixture_is_refused(tmp_path):
     _, state = step_rows(srcs[:1], None, 2, 1, 1)
     with pytest.raises(DataError, match="does not match this run"):
         step_rows(srcs, [Phase(0, {"s0": 1, "s1": 1})], 1, 1, 1, state=state)
-
-
-def test_state_of_one_directory_before_mixtures_still_resumes(tmp_path):
-    make_data(tmp_path)
-    windows = TokenWindows(tmp_path, "train", SEQ, VOCAB)
-    loader = TrainLoader(windows, 2, 2, 0, 1, seed=3)
-    for _ in range(8):
-        loader.next_micro_batches()
-    c = loader.state_dict()["sources"]["train"]
-    old = {"epoch": c["epoch"], "position": c["position"], "seed": 3,
-           "num_windows": windows.num_windows}  # what a checkpoint of lmforge before held
-    resumed = TrainLoader(TokenWindows(tmp_path, "train", SEQ, VOCAB), 2, 2, 0, 1, seed=3)
-    resumed.load_state_dict(old)
-    assert resumed.state_dict() == loader.state_dict()
-    for want, got in zip(loader.next_micro_batches(), resumed.next_micro_batches(), strict=True):
-        assert (want[0] == got[0]).all()
 
 
 # ---- the trainer on a mixture, as processes ----------------------------------------------------

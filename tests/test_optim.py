@@ -118,7 +118,7 @@ def test_a_head_lr_needs_an_untied_head_and_a_tied_table_takes_embed_lr():
     with pytest.raises(ConfigError, match=r"optim[.]head_lr.*tie_embeddings = false") as e:
         load_config(None, ["--optim.head_lr", "0.1"])
     assert "\n" not in str(e.value)
-    tied = load_config(None, ["--optim.embed_lr", "0.1", "--optim.name", "muon"])
+    tied = load_config(None, ["--optim.embed_lr", "0.1", "--optim.name", "muon", "--optim.lr", "3e-3"])
     assert "embedding table(s) at peak lr 0.1, the norms' gains at 0.003" in describe(tied, derive(tied, 1), 1000)
     cfg = load_config(None, ["--optim.head_lr", "0.1", "--model.tie_embeddings", "false"])
     assert "at peak lr 0.003, the head at 0.1" in describe(cfg, derive(cfg, 1), 1000)

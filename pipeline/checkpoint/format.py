@@ -56,7 +56,6 @@ from lmforge.pipeline.config import (
 )
 from lmforge.pipeline.data.config import DataConfig, check_same_schedule
 from lmforge.pipeline.metrics import get_logger
-from lmforge.pipeline.optim.lrs import legacy_optim
 from lmforge.pipeline.parallel.distributed import DistInfo, barrier
 
 FORMAT = "lmforge-checkpoint"
@@ -64,6 +63,10 @@ FORMAT = "lmforge-checkpoint"
 # matrices' lr under both optimizers, one optimizer group per lr group (pipeline/optim/lrs.py).
 VERSION = 3
 READS = (2, 3)  # a version 2 checkpoint evaluates, samples and exports; its resume is refused
+# Config keys checkpoints hold that today's config lacks: not read (eval, sample and export never
+# needed them; a resume runs by the config it is given). Version 2's optim section is of the old
+# lr keys (optim.muon_lr): its resume is refused before it would be read.
+UNREAD = {2: {"optim": None, "train": {"time_budget_s"}}, 3: {"train": {"time_budget_s"}}}
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MAX_META_BYTES = 1 << 26  # a meta.json is kilobytes: its config, loader cursors and last record
 MAX_RNG_BYTES = 1 << 24  # torch's and each CUDA device's generator states
@@ -112,10 +115,7 @@ class CheckpointMeta:
                                   f"this lmforge reads versions {', '.join(map(str, READS))}; use the lmforge "
                                   "version that wrote it")
         try:
-            config = d["config"]
-            if version == 2:  # its lrs in today's keys, same values
-                tied = config.get("model", {}).get("tie_embeddings", True)
-                config = {**config, "optim": legacy_optim(config.get("optim", {}), tied)}
+            config = _readable(_typed(d["config"], dict), UNREAD[version])
             return cls(
                 step=_count(d["step"]), model=ModelConfig.from_dict(d["model"]),
                 config=config_from_dict(config), lineage=_typed(d["lineage"], str),
@@ -127,6 +127,13 @@ class CheckpointMeta:
         except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
             raise CheckpointError(f"{where}/meta.json is invalid ({type(e).__name__}: {e}); use "
                                   "another checkpoint") from None
+
+
+def _readable(config: dict, unread: dict) -> dict:
+    """`config` without the sections (None) and keys `unread` names."""
+    return {name: {k: v for k, v in section.items() if k not in unread[name]}
+            if name in unread and isinstance(section, dict) else section
+            for name, section in config.items() if name not in unread or unread[name] is not None}
 
 
 def _typed(value, kind):
@@ -362,6 +369,12 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim: OptimConfig,
     another model or data schedule (mixture weights, phases), holds another optimizer's state or
     none. Read before anything is built, so a refused resume costs nothing."""
     meta = read_meta(ckpt_dir)
+    if meta.version != VERSION:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} is of format {meta.version}, written when optim.lr meant the "
+            "AdamW groups' lr under muon: its optimizer state has other groups than this lmforge "
+            "builds, so it cannot be resumed here; finish the run with the lmforge that started "
+            "it, or start a new run directory (eval, sample and export still read it)")
     theirs, ours = meta.model.to_dict(), model_cfg.to_dict()
     if diff := sorted(k for k, v in ours.items() if theirs.get(k) != v):
         shown = ", ".join(f"{k}: checkpoint {theirs.get(k)} vs config {ours[k]}" for k in diff)
@@ -375,12 +388,6 @@ def read_resumable(ckpt_dir: Path, model_cfg: ModelConfig, optim: OptimConfig,
         raise CheckpointError(f"checkpoint {ckpt_dir} holds {theirs} optimizer state, this run "
                               f"asks for optim.name = {optim.name}; resume with --optim.name "
                               f"{theirs}, or start a new run directory")
-    if meta.version != VERSION:
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir} is of format {meta.version}, written when optim.lr meant the "
-            "AdamW groups' lr under muon: its optimizer state has other groups than this lmforge "
-            "builds, so it cannot be resumed here; finish the run with the lmforge that started "
-            "it, or start a new run directory (eval, sample and export still read it)")
     return meta
 
 

@@ -13,7 +13,6 @@ alone, and takes that source's next row; each source has its own epochs and perm
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,7 @@ log = get_logger()
 
 # Seeds the per-step source draws, apart from the permutations (which are seeded by (seed, epoch)).
 _DRAW_STREAM = 0x6D6978
-STATE_VERSION = 2  # 1: {epoch, position, seed, num_windows} of one stream source, still read
+STATE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class Source:
 
     name: str
     rows: Any  # pipeline.data.rows.StreamRows | DocRows
-    key: tuple[int, ...] = ()  # () for one directory: the permutations of lmforge before mixtures
+    key: tuple[int, ...] = ()  # () for one directory: its permutations as before mixtures
 
     @staticmethod
     def keyed(name: str, rows: Any) -> Source:
@@ -78,17 +77,15 @@ def _counts(d: object, keys: tuple[str, ...]) -> bool:
 
 
 def _checked_state(d: object) -> dict:
-    """A loader state read from a checkpoint's meta.json, of either version, with the types and
-    ranges the loader relies on; DataError otherwise (the file is damaged or hand-edited)."""
-    if isinstance(d, dict) and "version" not in d:  # version 1
-        ok = _counts(d, ("epoch", "position", "num_windows")) and type(d.get("seed")) is int \
-            and d["position"] <= d["num_windows"]
-    else:
-        sources = d.get("sources") if isinstance(d, dict) else None
-        ok = _counts(d, ("version", "step")) and type(d.get("seed")) is int and \
-            isinstance(d.get("align"), str) and isinstance(sources, dict) and all(
-                _counts(c, ("epoch", "position", "tokens", "num_rows"))
-                and c["position"] <= c["num_rows"] for c in sources.values())
+    """A loader state read from a checkpoint's meta.json, with the types and ranges the loader
+    relies on; DataError otherwise (the file is damaged or hand-edited). Checkpoints of the
+    loader's earlier state (before mixtures) are of checkpoint format 2, refused for resume."""
+    sources = d.get("sources") if isinstance(d, dict) else None
+    ok = _counts(d, ("version", "step")) and d["version"] == STATE_VERSION and \
+        type(d.get("seed")) is int and isinstance(d.get("align"), str) and \
+        isinstance(sources, dict) and all(_counts(c, ("epoch", "position", "tokens", "num_rows"))
+                                          and c["position"] <= c["num_rows"]
+                                          for c in sources.values())
     if not ok:
         raise DataError("the checkpoint's loader state (meta.json, \"loader\") is malformed; the "
                         "checkpoint is damaged: resume from another one or start a new run")
@@ -101,7 +98,7 @@ class TrainLoader:
 
     def __init__(self, sources: TokenWindows | list[Source], micro_batch_size: int,
                  grad_accum_steps: int, rank: int, world_size: int, seed: int,
-                 phases: list[Phase] | None = None, max_steps: Callable[[], int] = lambda: 0):
+                 phases: list[Phase] | None = None, max_steps: int = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         if isinstance(sources, TokenWindows):
@@ -142,7 +139,7 @@ class TrainLoader:
 
     def phase(self, step: int) -> Phase:
         """The phase of the step after `step` completed steps."""
-        started = [p for p in self.phases if phase_start(p.from_step, self.max_steps()) <= step]
+        started = [p for p in self.phases if phase_start(p.from_step, self.max_steps) <= step]
         return started[-1]
 
     def draw(self, step: int) -> list[str]:
@@ -207,7 +204,7 @@ class TrainLoader:
                             for name, c in self.cursors.items()}}
 
     def load_state_dict(self, d: dict) -> None:
-        d = self._upgrade(_checked_state(d))
+        d = _checked_state(d)
         ours = {n: s.rows.num_rows for n, s in self.sources.items()}
         theirs = {n: c["num_rows"] for n, c in d["sources"].items()}
         align = next(iter(self.sources.values())).rows.align
@@ -220,19 +217,3 @@ class TrainLoader:
         self.step = int(d["step"])
         self.cursors = {n: {k: int(c[k]) for k in ("epoch", "position", "tokens")}
                         for n, c in d["sources"].items()}
-
-    def _upgrade(self, d: dict) -> dict:
-        """A state of lmforge before mixtures (one stream source) in today's shape."""
-        if d.get("version") == STATE_VERSION:
-            return d
-        if "version" in d or len(self.sources) != 1:
-            raise DataError(f"the checkpoint's loader state (version {d.get('version', 1)}) is "
-                            f"not one this lmforge reads for this data (version {STATE_VERSION}, "
-                            f"sources {list(self.sources)}); resume with the data it was written "
-                            "with, or start a new run")
-        G, T = self.windows_per_step, next(iter(self.sources.values())).rows.windows.seq_len
-        step = d["epoch"] * (d["num_windows"] // G) + d["position"] // G
-        return {"seed": d["seed"], "align": "stream", "step": step,
-                "sources": {next(iter(self.sources)): {
-                    "epoch": d["epoch"], "position": d["position"], "tokens": step * G * T,
-                    "num_rows": d["num_windows"]}}}

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from lmforge.pipeline.typed_config import ConfigError
+
 
 class LrKeys(Protocol):
     """What these rules read of pipeline.config.OptimConfig (which imports this module)."""
@@ -65,15 +67,22 @@ def peak_lrs(o: LrKeys, d_model: int) -> dict[str, float]:
     return {g: lr * width_factor(o, g, d_model) for g, lr in given_lrs(o).items()}
 
 
-def legacy_optim(d: dict, tied: bool) -> dict:
-    """An optim section written before every key had one meaning (checkpoint format 2, which has
-    optim.muon_lr) in today's keys, same lrs: under muon, optim.lr was the AdamW groups' lr and
-    muon_lr the matrices'; under adamw, optim.lr was already every group's but its own."""
-    d = dict(d)
-    muon_lr = d.pop("muon_lr", 0.02)
-    if d.get("name") == "muon":
-        adamw_lr = d.get("lr", 3e-3)
-        d["lr"], d["scalar_lr"] = muon_lr, adamw_lr
-        d["embed_lr"] = d.get("embed_lr") or adamw_lr
-        d["head_lr"] = 0.0 if tied else d.get("head_lr") or adamw_lr
-    return d
+def check_lrs_given(o: LrKeys, file_optim: dict, named: dict[str, str], path,
+                    default_name: str) -> None:
+    """The lrs read are the ones meant. A file for muon names its AdamW groups' lrs: one that does
+    not was written when optim.lr was their lr (and muon_lr, default 0.02, the matrices'). An
+    optimizer switched on the command line (`named`: its overrides) takes its own optim.lr: the
+    file's (or the default's, of `default_name`) is the other's."""
+    if o.name == "muon" and file_optim.get("name") == "muon" and "scalar_lr" not in file_optim:
+        raise ConfigError(
+            f"config file '{path}' sets optim.name = \"muon\" without optim.scalar_lr: under muon "
+            "optim.lr is Muon's (the matrices'), the AdamW groups' are optim.embed_lr, "
+            "optim.scalar_lr (and optim.head_lr when untied); name them in the file (a file "
+            "written before they existed gave them as optim.lr: configs/tiny.toml shows today's)")
+    if "optim.name" in named and o.name != file_optim.get("name", default_name) \
+            and "optim.lr" not in named:
+        raise ConfigError(
+            f"--optim.name {o.name} without --optim.lr: the lr {o.lr:g} is "
+            f"{'the file' if path else 'the default'}'s for {file_optim.get('name', default_name)}; "
+            "set --optim.lr to the matrices' peak lr under " + o.name + " (AdamW's ~3e-3, "
+            "Muon's ~0.03 at d_model 256), and check optim.embed_lr, scalar_lr, head_lr")
