@@ -41,7 +41,8 @@ def apply_rope(x_BTNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     """Rotate each pair (x[i], x[i + K/2]) by its angle: the half-split layout of Hugging Face
     Llama's rotate_half, so q/k weights export unpermuted. The halves swap by slices and a cat:
     compiled, its backward reads whole runs of each half, where roll's wrapped index made
-    inductor load element by element (bench/step_ab.py's rope line, in git at 517bfd5^). cos/sin broadcast to (B, T, 1, K)."""
+    inductor load element by element (bench/step_ab.py's rope line, in git at 517bfd5^). cos/sin
+    broadcast to (B, T, 1, K)."""
     cos, sin = cos.to(x_BTNK.dtype), sin.to(x_BTNK.dtype)
     x1, x2 = x_BTNK.chunk(2, dim=-1)
     return x_BTNK * cos + torch.cat((x2, x1), dim=-1) * sin
