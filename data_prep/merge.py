@@ -8,12 +8,12 @@ is what one run over the whole input would have produced, up to the order of the
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from lmforge.data_prep.errors import DataError
 from lmforge.data_prep.outdir import TOKENIZER_DIR, resume_state, save_state
 from lmforge.data_prep.prepare import part_slice, write_errors
+from lmforge.data_prep.safe_files import atomic_write_bytes, check_file, open_file
 from lmforge.data_prep.shards import (
     FORMAT_VERSION,
     SPLITS,
@@ -104,13 +104,14 @@ def link_shards(parts: list[Manifest], out: Path) -> list[ShardInfo]:
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
-    if src.is_symlink():  # linking or copying it would take in whatever file it points to
-        raise DataError(f"{src} is a symbolic link; merge takes regular shard files only "
-                        "(replace the link with the file it points to)")
+    # A link would take in whatever file it points to, a device would be copied without end.
+    check_file(src, what="shard to merge")
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.unlink(missing_ok=True)
     try:
         os.link(src, tmp)
     except OSError:  # another filesystem
-        shutil.copyfile(src, tmp)
+        with open_file(src, "rb", what="shard to merge") as f:
+            atomic_write_bytes(dst, iter(lambda: f.read(1 << 22), b""), what="merged shard")
+        return
     os.replace(tmp, dst)

@@ -56,6 +56,12 @@ _FLAGS = {"rb": os.O_RDONLY, "r": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT,
           "w+b": os.O_RDWR | os.O_CREAT}
 
 
+def user_path(path: str | os.PathLike) -> Path:
+    """A path as the user named it on the command line or in a config: it may be a link (README,
+    "Trust"), resolved once, here; nothing inside it, nor beside it, is followed."""
+    return Path(os.path.realpath(path))
+
+
 def open_fd(path: str | Path, mode: str = "rb", *, what: str = "file") -> int:
     """A descriptor on `path` opened by the rule above ('w' modes truncate after the checks)."""
     path = Path(path)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import kind_of
 
 TEXT_EXTS = (".txt", ".jsonl", ".json")
 RECORD_EXTS = (".jsonl", ".json")
@@ -266,6 +267,9 @@ def local_files(spec: str, exclude: Path | None = None) -> list[Path]:
             raise DataError(f"glob {spec!r} matches no files; check the pattern (quote it)")
     elif path.is_file():
         files = [path]
+    elif path.exists():  # never opened: a FIFO would wait for a writer, a device never end
+        raise DataError(f"--source {spec} is {kind_of(path.stat().st_mode)}; give a regular "
+                        "file, a directory or a glob")
     else:
         raise DataError(f"source {spec!r} not found; give an existing file, directory, glob, "
                         "hf:NAME or builtin:pystdlib")

@@ -33,6 +33,7 @@ from lmforge.data_prep.safe_files import (
     check_tree,
     file_sha256,
     read_bytes,
+    user_path,
 )
 from lmforge.data_prep.shards import load_manifest
 from lmforge.data_prep.tokenizer_checks import check_id_range, probe_pattern
@@ -78,9 +79,7 @@ def load_tokenizer(spec: str) -> Encoding:
                             hf.eot, hf.bos, hf.normalizer, hf.text_tokens)
         enc.hf_files = hf.files
         return enc
-    # A path the user names may be a link (README, "Trust"): it is resolved once, here; nothing
-    # inside it, nor next to it, is followed.
-    path = Path(os.path.realpath(spec)) if os.path.islink(spec) else Path(spec)
+    path = user_path(spec)
     if path.is_dir():
         return load_tokenizer_dir(path)
     if os.path.lexists(path):  # a link or special file is refused by the reader, by its kind

@@ -19,7 +19,6 @@ numbers mean nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.config import ConfigError, JobConfig, load_config
 from lmforge.pipeline.hardware import dtype_name
 from lmforge.pipeline.inference import load_for_inference
+from lmforge.pipeline.metrics import read_records
 from lmforge.pipeline.parallel.distributed import init_distributed
 from lmforge.pipeline.parallel.parallelize import Precision
 
@@ -100,7 +100,7 @@ def fit_steps(data: Path, nproc: int, overrides: list[str], budget_s: float) -> 
             sys.stderr.write(res.stdout[-4000:] + res.stderr[-4000:])
             raise CheckpointError(f"the probe run exited with status {res.returncode} (its log "
                                   "is above); fix that, then re-run the demo")
-        end, rows = time.time(), [json.loads(r) for r in RunDir(probe).metrics.open()]
+        end, rows = time.time(), list(read_records(RunDir(probe).metrics))
     dts = [cfg.train.global_batch_tokens / r["tokens_per_s"] for r in rows]
     step_s = statistics.median(dts[1:])
     setup_s = rows[0]["time"] - t0 - step_s  # the first step's warm-up included
@@ -137,7 +137,7 @@ def run_training(data: Path, run: Path, nproc: int, overrides: list[str],
 def training_summary(cfg: JobConfig, run: Path, step: int, dtype: str) -> str:
     """What the run reached: steps, tokens, measured throughput (median over logged steps, the
     first excluded: it pays for warm-up) and the dtype it computed in."""
-    rates = [r["tokens_per_s"] for r in map(json.loads, RunDir(run).metrics.open())
+    rates = [r["tokens_per_s"] for r in read_records(RunDir(run).metrics)
              if r.get("step", 0) > 1 and "tokens_per_s" in r]
     rate = f"{statistics.median(rates):,.0f} tokens/s" if rates else "throughput not logged"
     return (f"trained     {step} of at most {cfg.train.max_steps} steps, "

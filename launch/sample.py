@@ -24,6 +24,7 @@ from typing import TextIO
 
 import tiktoken
 
+from lmforge.data_prep.safe_files import read_text, user_path
 from lmforge.data_prep.tokenizer import encode_prompt, eot_id, load_tokenizer_dir, token_bytes
 from lmforge.launch.cli import ArgumentParser
 from lmforge.launch.source import render_chat
@@ -35,6 +36,8 @@ from lmforge.pipeline.hardware import dtype_name
 from lmforge.pipeline.inference import LoadedCheckpoint, load_for_inference
 from lmforge.pipeline.parallel.distributed import pick_device
 from lmforge.pipeline.parallel.parallelize import Precision
+
+MAX_PROMPT_BYTES = 1 << 24  # a prompt; a larger --prompt-file is refused unread
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +142,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
     try:
-        return args.prompt_file.read_text(encoding="utf-8")
+        return read_text(user_path(args.prompt_file), MAX_PROMPT_BYTES, what="--prompt-file")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read --prompt-file {args.prompt_file} ({e}); give a UTF-8 text file") from None
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lmforge.data_prep.safe_files import read_text, user_path
 from lmforge.data_prep.shards import atomic_write_bytes
 from lmforge.model.generate import SamplingError, SamplingParams
 from lmforge.model.model import ModelConfig
@@ -225,7 +226,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     d: dict[str, Any] = {}
     if path is not None:
         try:
-            d = tomllib.loads(Path(path).read_text())
+            d = tomllib.loads(read_text(user_path(path), MAX_CONFIG_BYTES, what="config file"))
         except FileNotFoundError:
             raise ConfigError(f"config file '{path}' not found") from None
         except tomllib.TOMLDecodeError as e:
@@ -248,6 +249,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
 
 
 # Keys a past lmforge read: nothing translates them, the error names what says the same today.
+MAX_CONFIG_BYTES = 1 << 24  # a TOML of settings; a larger file is not a config
+
 GONE_KEYS = {
     "optim.muon_lr": "Muon's lr is optim.lr under optim.name = muon (optim.lr is the matrices' lr "
                      "under both optimizers); the AdamW groups' are optim.embed_lr, head_lr, scalar_lr",

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -211,13 +212,18 @@ class Progress:
         self._bar.close()
 
 
+def read_records(metrics_jsonl: str | os.PathLike) -> Iterator[dict]:
+    """metrics.jsonl's records, each line read bounded (a run directory is input)."""
+    with open_file(metrics_jsonl, "rb", what="run file") as f:
+        for line in iter(lambda: f.readline(MAX_RECORD_BYTES), b""):
+            yield json.loads(line)
+
+
 def _read_losses(metrics_jsonl: Path, key: str) -> tuple[list[int], list[float]]:
     by_step: dict[int, float] = {}
-    with open_file(metrics_jsonl, "r", what="run file") as f:
-        for line in f:
-            record = json.loads(line)
-            if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]):
-                by_step[record["step"]] = record[key]  # a resumed run re-logs: the last wins
+    for record in read_records(metrics_jsonl):
+        if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]):
+            by_step[record["step"]] = record[key]  # a resumed run re-logs: the last wins
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 

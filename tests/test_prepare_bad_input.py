@@ -10,6 +10,7 @@ import base64
 import bz2
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,29 @@ def test_parts_of_different_runs_are_not_merged(tmp_path, capsys, change):
                               str(tmp_path / "p2")], "are not parts of one run")
     assert ("files of --source differ" in line) == (change == "source edited between parts")
     assert not merged.exists()
+
+
+def test_a_fifo_source_is_refused_unopened_and_skipped_inside_a_directory(tmp_path):
+    """A corpus's links are followed (it is the user's), but a FIFO is never opened: the open
+    would wait for a writer that never comes."""
+    d = docs_dir(tmp_path, "hello world " * 20)
+    os.mkfifo(d / "pipe.txt")
+    res = subprocess.run([*ENV_CMD, *prepare(tmp_path, d / "pipe.txt")], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "pipe.txt is a FIFO; give a regular file" in res.stderr
+    res = subprocess.run([*ENV_CMD, *prepare(tmp_path, d)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_a_config_named_through_a_link_is_read_and_a_fifo_refused(tmp_path):
+    from lmforge.pipeline.config import load_config
+
+    toml = tmp_path / "mine.toml"
+    toml.write_text("[train]\nmax_steps = 7\n")
+    (tmp_path / "link.toml").symlink_to(toml)
+    assert load_config(tmp_path / "link.toml").train.max_steps == 7
+    os.mkfifo(tmp_path / "fifo.toml")  # in a subprocess: an open of it would wait
+    res = subprocess.run([*ENV_CMD, "train", "--config", str(tmp_path / "fifo.toml"), "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "fifo.toml is a FIFO" in res.stderr.splitlines()[-1]

@@ -323,27 +323,17 @@ FILES_OPENED_ELSEWHERE = {
     "data_prep/shards.py": ({"np.memmap", "shutil.copytree"}, "maps the file object open_file "
                             "checked; copy_plain_tree: check_tree, then symlinks=True"),
     "pipeline/checkpoint/safe_dcp.py": ({"torch.load"}, "bytes SafeFileSystemReader read"),
-    "data_prep/sources.py": ({"open", ".open", ".open_file", ".open_stream"}, "TODO(lead): the "
-        "corpus (--source), links followed on purpose, but a FIFO named or globbed blocks: "
-        "safe_files needs a 'follow links, refuse special files' mode"),
-    "data_prep/merge.py": ({"shutil.copyfile"}, "TODO(lead): a shard copied across filesystems "
-                           "(a device file would be read without end): open_file + "
-                           "atomic_write_bytes"),
-    "pipeline/config.py": ({".read_text"}, "TODO(lead): --config follows a link, waits on a "
-                           "FIFO: read_text(path, limit, what='config')"),
-    "launch/sample.py": ({".read_text"}, "TODO(lead): --prompt-file: decide whether a pipe "
-                         "(`<(cmd)`) is allowed, then read it by safe_files"),
-    "launch/export.py": ({".read_text", ".write_text", "shutil.copyfile"}, "TODO(lead): "
-                         "config.json, the marker, the tokenizer's files: read_text, "
-                         "atomic_write_bytes, copy_plain_tree"),
-    "launch/demo.py": ({".open"}, "TODO(lead): metrics.jsonl; pipeline.metrics reads it bounded"),
-    "model/hf.py": ({"save_file", ".write_text"}, "TODO(lead): model/ may not import data_prep: "
-                    "an export's files belong to its caller, launch/export.py"),
-    "pipeline/checkpoint/format.py": ({"torch.save", ".write_text", "save_file"}, "TODO(lead): "
-        "the RNG state, meta.json, model.safetensors into the fresh .tmp directory: "
-        "atomic_write_bytes"),
-    "pipeline/inference.py": ({"safe_open", "load_file"}, "TODO(lead): model.safetensors by "
-        "path (a link or FIFO followed): check_file first, in #64 item 2's one reader"),
+    "data_prep/sources.py": ({"open", ".open", ".open_file", ".open_stream"}, "the corpus "
+        "(--source) is the user's: links followed on purpose; only regular files are listed "
+        "(local_files: is_file), so a FIFO or device is never opened"),
+    "launch/export.py": ({".read_text", ".write_text", "shutil.copyfile"}, "files of the fresh "
+                         "mkdtemp directory the export is written into, nothing planted there"),
+    "model/hf.py": ({"save_file", ".write_text"}, "into the caller's fresh directory (export's "
+                    "mkdtemp); model/ may not import data_prep"),
+    "pipeline/checkpoint/format.py": ({"torch.save", ".write_text", "save_file"}, "into the "
+        ".tmp directory this process has just made (mkdir, never exist_ok), renamed into place"),
+    "pipeline/checkpoint/hf_init.py": ({"safe_open"}, "safetensors reads the descriptor "
+        "open_fd opened (/proc/self/fd/N): the one safetensors reader"),
 }
 
 

@@ -16,16 +16,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import tomllib
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from lmforge.data_prep.safe_files import check_dir, check_file, file_sha256, open_fd, read_text
+from lmforge.data_prep.safe_files import (
+    check_dir,
+    check_file,
+    file_sha256,
+    open_fd,
+    read_text,
+    user_path,
+)
 from lmforge.data_prep.tokenizer import HF_PREFIX
 from lmforge.model import GPT, ModelConfig
 from lmforge.model.hf import CONFIG_FILE, WEIGHTS_FILE, config_from_hf, hf_shapes, weight_table
@@ -45,7 +52,7 @@ AC_PREFIX = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper,
 def hf_dir(spec: str | Path) -> Path | None:
     """DIR of an `hf:DIR` checkpoint spec, None for any other."""
     spec = str(spec)
-    return Path(spec.removeprefix(HF_PREFIX)).resolve() if spec.startswith(HF_PREFIX) else None
+    return user_path(spec.removeprefix(HF_PREFIX)) if spec.startswith(HF_PREFIX) else None
 
 
 def read_json(path: Path, what: str):
