@@ -114,7 +114,7 @@ def hf_llama(out: Path, data: Path, vocab: int = 49152) -> Path:
     transformers.LlamaForCausalLM(cfg).save_pretrained(out)
     from lmforge.launch.prepare import main as prepare
 
-    assert prepare(["--source", "builtin:pystdlib", "--tokenizer", str(out), "--out", str(data),
+    assert prepare(["--source", "builtin:pystdlib", "--tokenizer", f"hf:{out}", "--out", str(data),
                     "--max-docs", "200", "--val-docs", "40", "--quiet"]) == 0
     return out
 

@@ -1,7 +1,7 @@
 """Task scoring's memory is bounded by neither the vocabulary nor an example's choice count: the
 largest logits any scoring batch holds, at GPT-2's padded vocabulary (50,304 ids), stay within
-score.LOGITS_ELEMS, and an example of hundreds of choices takes rows no longer than the model's
-context, each choice's log-likelihood what it is scored alone. Measured on `lmforge eval
+score.LOGITS_ELEMS, and an example of thousands of choices takes rows of at most ROW_TOKENS,
+each choice's log-likelihood what it is scored alone. Measured on `lmforge eval
 --tasks` over real files, every tensor an operator makes seen by a dispatch mode."""
 
 from __future__ import annotations
@@ -22,10 +22,16 @@ from lmforge.launch.evaluate import main as eval_main
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.parallelize import Precision
 from lmforge.pipeline.tasks.evaluate import encode_task, load_task
-from lmforge.pipeline.tasks.score import BATCH_TOKENS, LOGITS_ELEMS, Encoded, choice_loglikelihoods
+from lmforge.pipeline.tasks.score import (
+    LOGITS_ELEMS,
+    MASK_ELEMS,
+    ROW_TOKENS,
+    Encoded,
+    choice_loglikelihoods,
+)
 
 VOCAB = 50257  # GPT-2's ids, padded to 50,304 in the model
-CONTEXT = 32  # the model's context: short, so that many choices overflow one row
+CONTEXT = 32  # the model's context: every choice fits
 
 
 class Largest(TorchDispatchMode):
@@ -34,7 +40,7 @@ class Largest(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.logits = self.square = 0
+        self.logits = self.square = self.longest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -44,6 +50,7 @@ class Largest(TorchDispatchMode):
                     self.logits = max(self.logits, t.numel())
                 if t.dim() == 4 and t.shape[-1] == t.shape[-2]:
                     self.square = max(self.square, t.numel())
+                    self.longest = max(self.longest, t.shape[-1])
         return out
 
 
@@ -88,13 +95,13 @@ def test_logits_within_the_budget_at_gpt2_vocab(big_vocab_run, tmp_path):
 
 
 def test_many_choices_split_across_rows(big_vocab_run, tmp_path):
-    """2,000 choices in one line made one row of ~6,000 tokens and a 6,000^2 mask; now rows of at
-    most the model's context, so a batch's masks hold at most BATCH_TOKENS x CONTEXT."""
-    choices = [f"x{i}" for i in range(2000)]
+    """2,500 choices in one line made one row of ~7,000 tokens and a 7,000^2 mask; now rows of at
+    most ROW_TOKENS, and a batch's masks hold at most MASK_ELEMS."""
+    choices = [f"x{i}" for i in range(2500)]
     task = write(tmp_path / "wide.jsonl", [{"context": "y = ", "choices": choices, "gold": 7}])
     seen = scored(big_vocab_run, task)
     n_head = 4  # run_args' model: a (B, H, T, T) attention weight may be materialised
-    assert 0 < seen.square <= n_head * BATCH_TOKENS * CONTEXT, seen.square
+    assert 0 < seen.longest <= ROW_TOKENS and seen.square <= n_head * MASK_ELEMS, seen.longest
     # Each choice as if scored alone: in a row of its own (the prefix, then the choice).
     ckpt = load_for_inference(big_vocab_run)
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)

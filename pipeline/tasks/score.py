@@ -15,8 +15,8 @@ and no choice is padded to the longest; rows are sorted by length and batched up
 and the LM head runs only on the positions scored.
 
 Memory, bounded by neither the vocabulary nor the choice count: the head's logits by chunks of
-LOGITS_ELEMS, and a row by the model's context (an example of many choices takes several rows,
-each with its prefix), so a batch's (B, T, T) mask holds at most BATCH_TOKENS x max_seq_len.
+LOGITS_ELEMS, and a row by ROW_TOKENS or the model's context (an example of many choices takes
+several rows, each with its prefix), a batch's (B, 1, T, T) mask by MASK_ELEMS.
 """
 
 from __future__ import annotations
@@ -27,16 +27,26 @@ from dataclasses import dataclass
 import numpy as np
 import tiktoken
 import torch
+import torch.nn.functional as F
 
 from lmforge.model import GPT
-from lmforge.model.model import IGNORE_INDEX
-from lmforge.pipeline.loss import CHUNK_ELEMS, ChunkedLoss
+from lmforge.model.model import IGNORE_INDEX, cap_logits
+from lmforge.pipeline.loss import CHUNK_ELEMS, chunk_tokens
 from lmforge.pipeline.parallel.parallelize import Precision
 from lmforge.pipeline.tasks.example import Example
 
-BATCH_TOKENS = 1 << 14  # rows x the longest row (its prefix and choices) of a batch
+# Rows x the longest row (its prefix and choices) of a batch. On CPU a batch's activations (and
+# the math attention's (B, H, T, T) scores) set the RSS peak, which glibc keeps: 2^14 tokens
+# tripled `eval --tasks`'s peak over `eval`'s at GPT-2's vocabulary, 2^10 holds it within 1.15x
+# (bench/downstream_bench.py --rss, bench/results/downstream_rss_avx2.txt).
+BATCH_TOKENS = {"cpu": 1 << 10, "cuda": 1 << 14}
+# An example's choices beyond this many tokens in its row go on in another row (with the prefix
+# again: a row's mask is T x T), and a batch's masks hold at most MASK_ELEMS elements: the
+# attention's memory bounded by the model's context, whatever an example's choice count.
+ROW_TOKENS = 1 << 12
+MASK_ELEMS = ROW_TOKENS * ROW_TOKENS
 # The scoring's memory budget for logits: chunks of at most this many (fp32), two such buffers at
-# a time (logits, probabilities), whatever the vocabulary and the batch: 2 x 32 MiB on CPU,
+# a time (logits, log-probabilities), whatever the vocabulary and the batch: 2 x 32 MiB on CPU,
 # 2 x 512 MiB on CUDA (training's chunked loss's sizes).
 LOGITS_ELEMS = CHUNK_ELEMS
 
@@ -88,14 +98,23 @@ def scored_loss(h_BTD, w_VD, targets_BT, vocab_size, reduction="none",
                 ignore_index=IGNORE_INDEX, softcap: float = 0.0) -> torch.Tensor:
     """GPT.forward's loss_fn, (B, T) token losses (0 where not scored): the LM head runs on the
     scored positions only (most positions of a batch are contexts), by chunks of at most
-    LOGITS_ELEMS logits (pipeline/loss.py's chunked loss), so that no buffer is sized by the
-    vocabulary times the batch."""
+    LOGITS_ELEMS logits (sized as train.loss = "chunked" sizes its chunks), so that no buffer is
+    sized by the vocabulary times the batch. Each chunk's loss is F.cross_entropy's, as lm-eval's
+    log_softmax: ChunkedLoss's log-sum-exp (for training's speed) moved a choice's summed
+    log-likelihood by up to 1.8e-5 at GPT-2's vocabulary."""
     assert reduction == "none"
     scored_BT = targets_BT != ignore_index
-    loss = ChunkedLoss(elems=LOGITS_ELEMS.get(h_BTD.device.type, LOGITS_ELEMS["cpu"]))
+    h_ND, y_N = h_BTD[scored_BT], targets_BT[scored_BT]
+    chunk = chunk_tokens(w_VD.shape[0], len(y_N),
+                         LOGITS_ELEMS.get(h_BTD.device.type, LOGITS_ELEMS["cpu"]))
+    losses = []
+    for start in range(0, len(y_N), chunk):
+        logits_CV = F.linear(h_ND[start:start + chunk], w_VD)[:, :vocab_size].float()
+        if softcap:
+            logits_CV = cap_logits(logits_CV, softcap)
+        losses.append(F.cross_entropy(logits_CV, y_N[start:start + chunk], reduction="none"))
     out_BT = torch.zeros(targets_BT.shape, dtype=torch.float32, device=h_BTD.device)
-    out_BT[scored_BT] = loss(h_BTD[scored_BT][None], w_VD, targets_BT[scored_BT][None],
-                             vocab_size, "none", ignore_index, softcap)[0]
+    out_BT[scored_BT] = torch.cat(losses)  # every row scores a token at least
     return out_BT
 
 
@@ -115,7 +134,7 @@ class Row:
 def rows_of(encoded: Sequence[Encoded], max_row: int) -> list[Row]:
     """Each example's choices in as few rows as hold them within max_row tokens (a row's mask is
     T x T: one row of a thousand choices would be quadratic in them). A row always takes one
-    choice: the prefix and one choice fit the model's context, which max_row is."""
+    choice: the prefix and one choice fit the model's context."""
     out = []
     for i, e in enumerate(encoded):
         first, tokens = 0, len(e.prefix)
@@ -176,19 +195,22 @@ def score_batch(model: GPT, encoded: Sequence[Encoded], batch: Sequence[Row]) ->
     return out
 
 
-def batches(rows: Sequence[Row], batch_tokens: int = BATCH_TOKENS) -> list[list[Row]]:
+def batches(rows: Sequence[Row], batch_tokens: int) -> list[list[Row]]:
     """`rows` in batches: longest first (an out-of-memory shows at once), each within
-    batch_tokens (rows x the longest row)."""
+    batch_tokens (rows x the longest row) and MASK_ELEMS (rows x its square)."""
     out: list[list[Row]] = []
     for row in sorted(rows, key=lambda row: -row.tokens):
-        if not out or (len(out[-1]) + 1) * out[-1][0].tokens > batch_tokens:
+        n, T = len(out[-1]) + 1 if out else 0, out[-1][0].tokens if out else 0
+        if not out or n * T > batch_tokens or n * T * T > MASK_ELEMS:
             out.append([])
         out[-1].append(row)
     return out
 
 
 def scoring_batches(model: GPT, encoded: Sequence[Encoded]) -> list[list[Row]]:
-    return batches(rows_of(encoded, model.cfg.max_seq_len))
+    device = model.tok_emb.weight.device.type
+    return batches(rows_of(encoded, max(ROW_TOKENS, model.cfg.max_seq_len)),
+                   BATCH_TOKENS.get(device, BATCH_TOKENS["cpu"]))
 
 
 def choice_loglikelihoods(model: GPT, encoded: Sequence[Encoded], precision: Precision,
