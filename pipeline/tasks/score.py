@@ -109,7 +109,7 @@ def scored_loss(h_BTD, w_VD, targets_BT, vocab_size, reduction="none",
                          LOGITS_ELEMS.get(h_BTD.device.type, LOGITS_ELEMS["cpu"]))
     losses = []
     for start in range(0, len(y_N), chunk):
-        logits_CV = F.linear(h_ND[start:start + chunk], w_VD)[:, :vocab_size].float()
+        logits_CV = F.linear(h_ND[start:start + chunk], w_VD[:vocab_size]).float()  # contiguous
         if softcap:
             logits_CV = cap_logits(logits_CV, softcap)
         losses.append(F.cross_entropy(logits_CV, y_N[start:start + chunk], reduction="none"))
