@@ -1,19 +1,30 @@
-"""Downstream task scoring speed: ours (pipeline/tasks/score.py: shared-prefix KV cache, head on
-the scored positions, length-sorted batches) against lm-evaluation-harness's HF backend on the
-`lmforge export` of the same checkpoint: the same examples, the same machine, one run, fp32.
+"""Downstream task scoring: its speed against lm-evaluation-harness, and its memory against the
+same run or eval without tasks.
 
     python -m bench.downstream_bench --ckpt runs/demo/run [--tasks hellaswag,arc_easy,piqa]
         [--max-examples 200] [--lm-eval-batch 32]
+    python -m bench.downstream_bench --rss DATA [--hf]
 
-Both sides score every choice of every example; the figure is examples per second. lm-eval runs
-at --lm-eval-batch requests per forward (its default is 1; a larger batch is the fair match).
-The two sides' acc/acc_norm are printed too (they must agree).
+Speed: ours (pipeline/tasks/score.py: shared prefixes, the head on the scored positions by
+chunks, length-sorted batches) against lm-eval's HF backend on the `lmforge export` of the same
+checkpoint: the same examples, the same machine, one run, fp32. Both sides score every choice of
+every example; the figure is examples per second. lm-eval runs at --lm-eval-batch requests per
+forward (its default is 1; a larger batch is the fair match). The two sides' acc/acc_norm are
+printed too (they must agree).
+
+Memory (--rss DATA, a dataset prepared at GPT-2's vocabulary): the peak RSS of shape A, a 4-step
+`train --config configs/tiny.toml` with its default task (nextline) over the same run with
+`--eval.tasks []`, and of `eval --tasks nextline --max-examples 100` over `eval` alone (the run's
+16,384 val tokens) on its checkpoint. --hf: the same eval pair on a random 49,152-id Llama saved
+by transformers and loaded with `--ckpt hf:` (the tasks as a JSONL file of DATA's questions).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +36,7 @@ from lmforge.data_prep.tokenizer import load_tokenizer_dir
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.parallel.parallelize import Precision
-from lmforge.pipeline.tasks.evaluate import load_task, timed_evaluate
+from lmforge.pipeline.tasks.evaluate import encode_task, load_task, timed_evaluate
 
 
 def write_jsonl(task, path: Path) -> str:
@@ -59,23 +70,98 @@ def lm_eval_run(hf_dir: Path, files: dict[str, tuple[Path, str]], batch: int, ro
     return out["results"], time.perf_counter() - t0
 
 
+SHAPE_A = ["--config", "configs/tiny.toml", "--train.global_batch_tokens", "2048",
+           "--train.micro_batch_size", "8", "--train.max_steps", "4", "--eval.every", "0",
+           "--sample.every", "0", "--train.compile", "off", "--checkpoint.every", "0"]
+# The command in a process that prints its own peak RSS as it exits (ru_maxrss would carry this
+# process's over the exec).
+PEAK_SHIM = ("import atexit, runpy, sys; atexit.register(lambda: print('PEAK_KB', next(ln.split()[1] "
+             "for ln in open('/proc/self/status') if ln.startswith('VmHWM')), file=sys.stderr)); "
+             "sys.argv[0] = 'lmforge'; runpy.run_module('lmforge.launch.cli', run_name='__main__')")
+
+
+def peak_mb(*args: str) -> float:
+    """Peak RSS of `lmforge ARGS` in a fresh process."""
+    res = subprocess.run([sys.executable, "-c", PEAK_SHIM, *args], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return int(res.stderr.rsplit("PEAK_KB", 1)[1].split()[0]) / 1024
+
+
+def ratio_line(what: str, with_tasks: float, without: float) -> str:
+    return f"{what:<58} {with_tasks:6.0f} MB / {without:6.0f} MB = {with_tasks / without:.2f}x"
+
+
+def hf_llama(out: Path, data: Path, vocab: int = 49152) -> Path:
+    """A random Llama of `vocab` ids (d_model 256, 4 layers) with a byte-level BPE tokenizer.json
+    of as many: the 256 byte symbols, then pairs of them (each one merge), then end-of-text."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    pairs = [(a, b) for a in alphabet for b in alphabet][:vocab - 1 - len(alphabet)]
+    ids = {t: i for i, t in enumerate([*alphabet, *(a + b for a, b in pairs), "<|endoftext|>"])}
+    tok = Tokenizer(models.BPE(ids, pairs))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    out.mkdir(parents=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=768,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True, eos_token_id=vocab - 1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    from lmforge.launch.prepare import main as prepare
+
+    assert prepare(["--source", "builtin:pystdlib", "--tokenizer", f"hf:{out}", "--out", str(data),
+                    "--max-docs", "200", "--val-docs", "40", "--quiet"]) == 0
+    return out
+
+
+def rss_main(data: Path, hf: bool) -> None:
+    print(header())
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        run = ["train", *SHAPE_A, "--data.path", str(data)]
+        train_a = peak_mb(*run, "--log.out_dir", str(root / "a"))
+        train_b = peak_mb(*run, "--eval.tasks", "[]", "--log.out_dir", str(root / "b"))
+        evals = ["eval", "--ckpt", str(root / "a")]
+        eval_tasks = peak_mb(*evals, "--tasks", "nextline", "--max-examples", "100")
+        eval_alone = peak_mb(*evals, "--data", str(data), "--max-tokens", "16384")
+        print(ratio_line("shape A train, eval.tasks [nextline] / []", train_a, train_b))
+        print(ratio_line("eval --tasks nextline --max-examples 100 / eval", eval_tasks, eval_alone))
+        if hf:
+            llama = hf_llama(root / "hf", root / "hf_data")
+            task = load_task("nextline", root / "hf_data", 100)
+            write_jsonl(task, root / "nextline.jsonl")
+            evals = ["eval", "--ckpt", f"hf:{llama}"]
+            eval_tasks = peak_mb(*evals, "--tasks", str(root / "nextline.jsonl"))
+            eval_alone = peak_mb(*evals, "--data", str(root / "hf_data"), "--max-tokens", "16384")
+            print(ratio_line("hf: Llama, 49,152 ids: eval --tasks (100 questions) / eval",
+                             eval_tasks, eval_alone))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True)
+    p.add_argument("--rss", type=Path, default=None, metavar="DATA")
+    p.add_argument("--hf", action="store_true")
+    p.add_argument("--ckpt")
     p.add_argument("--tasks", default="hellaswag,arc_easy,piqa")
     p.add_argument("--max-examples", type=int, default=200)
     p.add_argument("--lm-eval-batch", type=int, default=32)
     args = p.parse_args()
+    if args.rss:
+        return rss_main(args.rss, args.hf)
     from lmforge.launch.export import main as export
 
     ckpt = load_for_inference(args.ckpt)
     enc = load_tokenizer_dir(ckpt.tokenizer_dir)
-    tasks = [load_task(s, Path(ckpt.meta.config.data.first_path), args.max_examples)
-             for s in args.tasks.split(",")]
+    tasks = [encode_task(load_task(s, Path(ckpt.meta.config.data.first_path), args.max_examples),
+                         enc, ckpt.config.max_seq_len) for s in args.tasks.split(",")]
     n = sum(len(t.examples) for t in tasks)
     info = DistInfo(0, 0, 1, torch.device("cpu"))
-    ours, rate = timed_evaluate(ckpt.model, tasks, enc, info,
-                                Precision.resolve("fp32", info.device))
+    ours, rate = timed_evaluate(ckpt.model, tasks, info, Precision.resolve("fp32", info.device))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         assert export(["--ckpt", args.ckpt, "--hf", str(root / "hf")]) == 0

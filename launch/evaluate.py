@@ -48,6 +48,7 @@ from lmforge.pipeline.tasks.evaluate import (
     TaskResult,
     check_specs,
     downstream,
+    encode_task,
     load_task,
     table,
     timed_evaluate,
@@ -167,9 +168,13 @@ def report(result: EvalResult) -> str:
 
 def load_tasks(ckpt: LoadedCheckpoint, specs: list[str], data: Path | None,
                max_examples: int | None = None) -> list[Task]:
-    """The tasks named; `nextline` reads `data`, else the run's own dataset."""
+    """The tasks named, encoded for the checkpoint's model (on every rank: an example it cannot
+    score is every rank's error, before any collective); `nextline` reads `data`, else the run's
+    own dataset."""
     data = data if data is not None else Path(ckpt.meta.config.data.first_path)
-    return [load_task(spec, data, max_examples) for spec in specs]
+    enc = load_tokenizer_dir(ckpt.tokenizer_dir)
+    return [encode_task(load_task(spec, data, max_examples), enc, ckpt.config.max_seq_len)
+            for spec in specs]
 
 
 def evaluate_tasks_of(ckpt: LoadedCheckpoint, tasks: list[Task], info: DistInfo,
@@ -177,8 +182,7 @@ def evaluate_tasks_of(ckpt: LoadedCheckpoint, tasks: list[Task], info: DistInfo,
     """The tasks' figures and examples/s (collective under torchrun), in --dtype or the run's."""
     precision = Precision.resolve(ckpt.meta.config.train.dtype if dtype is None else dtype,
                                   info.device, "eval")
-    enc = load_tokenizer_dir(ckpt.tokenizer_dir)
-    return timed_evaluate(ckpt.model, tasks, enc, info, precision, progress=info.is_main)
+    return timed_evaluate(ckpt.model, tasks, info, precision, progress=info.is_main)
 
 
 def task_record(results: dict[str, TaskResult]) -> dict:

@@ -194,7 +194,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention,
-                ve_BTGK=None):
+                ve_BTGK=None, attn_mask=None):
         B, T, _ = x_BTD.shape
         H, G, K = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x_BTD)
@@ -211,7 +211,7 @@ class Attention(nn.Module):
             v_BTGK = v_BTGK + ve_BTGK
         v_BGTK = v_BTGK.transpose(1, 2)
         if kv_cache is None:
-            attn_mask, is_causal = None, True
+            is_causal = attn_mask is None
             k_BGSK, v_BGSK = k_BGTK, v_BGTK
         else:
             attn_mask, is_causal = kv_cache.attn_mask, kv_cache.is_causal
@@ -259,8 +259,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x_BTD, cos, sin, kv_cache=None, attend=F.scaled_dot_product_attention,
-                ve_BTGK=None):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, kv_cache, attend, ve_BTGK)
+                ve_BTGK=None, attn_mask=None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, kv_cache, attend, ve_BTGK,
+                                  attn_mask)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
     @torch.no_grad()
@@ -347,6 +348,8 @@ class GPT(nn.Module):
         loss_fn=cross_entropy,
         kv_cache=None,
         attend=F.scaled_dot_product_attention,
+        pos_BT: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) without targets; with targets only the loss: "mean" over
         tokens whose target != ignore_index, "sum", or "none" → (B, T), computed by
@@ -356,8 +359,12 @@ class GPT(nn.Module):
         kv_cache (model.generate.KVCache) appends this chunk's keys/values and attends over the
         cache, using its per-row positions and padding mask. attend: the attention, SDPA or a
         function of its signature (q, k, v, attn_mask=, is_causal=, enable_gqa=); which kernel a
-        run attends with is the caller's choice (pipeline.attention)."""
-        h_BTD = self.hidden(idx_BT, kv_cache, attend)
+        run attends with is the caller's choice (pipeline.attention).
+
+        Without a cache: pos_BT, each token's RoPE position (default 0..T-1), and attn_mask, SDPA's
+        (B, 1, T, T) mask of the keys each query sees (default causal), let one row hold several
+        sequences that share a prefix (pipeline/tasks/score.py)."""
+        h_BTD = self.hidden(idx_BT, kv_cache, attend, pos_BT, attn_mask)
         cap = self.cfg.logit_softcap
         if targets_BT is None:
             logits_BTV = self.lm_head(h_BTD)[..., : self.cfg.vocab_size]  # V padded
@@ -367,24 +374,26 @@ class GPT(nn.Module):
         return loss_fn(h_BTD, self.lm_head.weight, targets_BT, self.cfg.vocab_size,
                        reduction=reduction, ignore_index=ignore_index, **capped)
 
-    def hidden(self, idx_BT: torch.Tensor, kv_cache=None,
-               attend=F.scaled_dot_product_attention) -> torch.Tensor:
+    def hidden(self, idx_BT: torch.Tensor, kv_cache=None, attend=F.scaled_dot_product_attention,
+               pos_BT: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """The final-normed hidden states h_BTD the LM head (`lm_head.weight`, V padded x D)
         turns into logits."""
         B, T = idx_BT.shape
-        if kv_cache is None:
+        if kv_cache is not None:
+            pos_BT = kv_cache.begin(T)
+        if pos_BT is None:
             if T > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
             cos, sin = self.rope_cos[:T, None], self.rope_sin[:T, None]  # (T, 1, K)
         else:
-            pos_BT = kv_cache.begin(T)
             cos, sin = self.rope_cos[pos_BT, None], self.rope_sin[pos_BT, None]  # (B, T, 1, K)
         x_BTD = self.tok_emb(idx_BT)
         G, K = self.cfg.n_kv_head, self.cfg.head_dim
         for i, block in enumerate(self.blocks):
             table = self.value_embeds[str(i)] if str(i) in self.value_embeds else None
             ve_BTGK = None if table is None else table(idx_BT).view(B, T, G, K)
-            x_BTD = block(x_BTD, cos, sin, kv_cache, attend, ve_BTGK)
+            x_BTD = block(x_BTD, cos, sin, kv_cache, attend, ve_BTGK, attn_mask)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm_f(x_BTD)

@@ -38,7 +38,6 @@ from lmforge.pipeline.config import (
 )
 from lmforge.pipeline.data.loader import TrainLoader
 from lmforge.pipeline.data.mixture import ValSet, is_mixture, train_sources, val_sets
-from lmforge.pipeline.downstream import Downstream, keep_tasks
 from lmforge.pipeline.evaluate import evaluate
 from lmforge.pipeline.hardware import dtype_name, peak_flops, to_device
 from lmforge.pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
@@ -55,6 +54,7 @@ from lmforge.pipeline.parallel.parallelize import (
     resolve_parallel,
 )
 from lmforge.pipeline.samples import Samples
+from lmforge.pipeline.tasks.downstream import Downstream
 
 log = get_logger()
 
@@ -166,8 +166,7 @@ class Trainer:
         t = resolve_choices(self.cfg.train, self.info.device, self.precision.dtype,
                             self.cfg.data.seq_len, self.model_cfg.padded_vocab_size,
                             started and started.train)
-        # A resumed run keeps its eval.tasks. Set once: the config is fixed from here on.
-        self.cfg = keep_tasks(replace(self.cfg, train=t), started)
+        self.cfg = replace(self.cfg, train=t)  # set once: the config is fixed from here on
 
     def _resume(self, where: Path, meta: ckpt.CheckpointMeta) -> None:
         ckpt.load_training(where, self.parallel.module, self.optimizer, self.info)

@@ -16,8 +16,6 @@ import torch
 from bench.runs import ROOT, env, run, run_args, train
 from lmforge.data_prep.tokenizer import load_tokenizer_dir
 from lmforge.launch.evaluate import main as eval_main
-from lmforge.pipeline.config import load_config
-from lmforge.pipeline.downstream import keep_tasks
 from lmforge.pipeline.tasks import named
 from lmforge.pipeline.tasks.evaluate import encode_task, load_task
 from lmforge.pipeline.tasks.example import Example
@@ -69,15 +67,6 @@ def test_in_loop_results_reach_metrics_and_plot(trained):
     assert (trained / "loss.png").stat().st_size > 0
 
 
-def test_resume_keeps_its_tasks(tiny_data, tmp_path):
-    started = load_config(None, run_args(tiny_data, tmp_path, "--eval.tasks", '["nextline"]',
-                                         "--eval.tasks_every", "7"))
-    again = load_config(None, run_args(tiny_data, tmp_path))
-    kept = keep_tasks(again, started)
-    assert kept.eval.tasks == ["nextline"] and kept.eval.tasks_every == 7
-    assert keep_tasks(started, None) == started
-
-
 def test_lm_eval_tokenization_rule(tiny_data):
     """Context and context+continuation are encoded, the continuation being the difference, and
     a trailing space of the context moves to the continuation (lm-eval's _encode_pair)."""
@@ -124,7 +113,7 @@ def test_same_answers_as_lm_eval(trained, task_file, lm_eval_samples):
     from lmforge.pipeline.parallel.parallelize import Precision
 
     ckpt = load_for_inference(trained)
-    lls = choice_loglikelihoods(ckpt.model, encode_task(task, enc, ckpt.config.max_seq_len),
+    lls = choice_loglikelihoods(ckpt.model, encode_task(task, enc, ckpt.config.max_seq_len).encoded,
                                 Precision.resolve("fp32", torch.device("cpu")))
     assert len(samples) == len(task.examples)
     for ex, ours, theirs in zip(task.examples, lls, samples):

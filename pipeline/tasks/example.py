@@ -87,6 +87,10 @@ def load_jsonl(path: Path) -> list[Example]:
             last = n == len(lines)  # no newline after it: the file may have been cut short
             why = "is cut short (the file looks truncated)" if last else f"is not JSON ({e.msg})"
             raise _line_error(path, n, why) from None
+        except ValueError as e:  # a number past Python's 4,300 digits
+            raise _line_error(path, n, f"is not JSON we read ({str(e)[:80]})") from None
+        except RecursionError:
+            raise _line_error(path, n, "nests its values too deeply to be read") from None
         examples.append(parse_example(obj, path, n))
     if not examples:
         raise DataError(f"task file {path} holds no example; expected {FORMAT_HINT}")

