@@ -40,7 +40,7 @@ from lmforge.pipeline.data.windows import TokenWindows
 from lmforge.pipeline.evaluate import EvalResult, eval_batches, evaluate
 from lmforge.pipeline.hardware import dtype_name
 from lmforge.pipeline.inference import LoadedCheckpoint, load_for_inference
-from lmforge.pipeline.loss import build_loss, resolve_loss
+from lmforge.pipeline.loss import build_loss, eval_loss_name, resolve_loss
 from lmforge.pipeline.parallel.distributed import DistInfo, distributed
 from lmforge.pipeline.parallel.parallelize import Precision
 from lmforge.pipeline.tasks.evaluate import (
@@ -135,8 +135,8 @@ def evaluate_checkpoint(
     token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer_dir(ckpt.tokenizer_dir))).long()
     precision = Precision.resolve(run_cfg.train.dtype if dtype is None else dtype, info.device, "eval")
     # The loss and attention training's eval computed with (its config's resolved choices).
-    loss = resolve_loss(run_cfg.train.loss, info.device, ckpt.config.padded_vocab_size,
-                        batch_size * seq_len)
+    V, tokens = ckpt.config.padded_vocab_size, batch_size * seq_len
+    loss = eval_loss_name(resolve_loss(run_cfg.train.loss, info.device, V, tokens), V, tokens)
     result = evaluate(ckpt.model, batches, token_bytes, info, precision=precision,
                       loss_fn=build_loss(loss, info.device),
                       attend=attention.kernel(run_cfg.train.attention))

@@ -294,7 +294,8 @@ def stream(
     else:
         step_fn, cache = _decode_step, new_cache(P + max_new_tokens) if use_cache else None
     # Without a cache every step recomputes the whole (padded) sequence through a throwaway one.
-    logits_BV = model(idx_BT, kv_cache=cache if cache is not None else new_cache(P))[:, -1]
+    # The head on the last position alone: the prompt's B x P x V logits are never built.
+    logits_BV = model.logits(model.hidden(idx_BT, cache if cache is not None else new_cache(P))[:, -1])
     if not bool(torch.isfinite(logits_BV).all()):  # once: such weights fail on the first token
         raise NonFiniteLogits("the model's logits are NaN or inf on the prompt")
     finished = [False] * B

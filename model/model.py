@@ -365,14 +365,20 @@ class GPT(nn.Module):
         (B, 1, T, T) mask of the keys each query sees (default causal), let one row hold several
         sequences that share a prefix (pipeline/tasks/score.py)."""
         h_BTD = self.hidden(idx_BT, kv_cache, attend, pos_BT, attn_mask)
-        cap = self.cfg.logit_softcap
         if targets_BT is None:
-            logits_BTV = self.lm_head(h_BTD)[..., : self.cfg.vocab_size]  # V padded
-            return cap_logits(logits_BTV, cap) if cap else logits_BTV
+            return self.logits(h_BTD)
+        cap = self.cfg.logit_softcap
         # Only when set: a loss_fn without the keyword still runs every uncapped model.
         capped = {"softcap": cap} if cap else {}
         return loss_fn(h_BTD, self.lm_head.weight, targets_BT, self.cfg.vocab_size,
                        reduction=reduction, ignore_index=ignore_index, **capped)
+
+    def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states (..., D) -> (..., vocab_size), capped where set: a caller
+        that needs few positions' logits (a prompt's last) runs it on those alone."""
+        logits_BTV = self.lm_head(h_BTD)[..., : self.cfg.vocab_size]  # V padded
+        cap = self.cfg.logit_softcap
+        return cap_logits(logits_BTV, cap) if cap else logits_BTV
 
     def hidden(self, idx_BT: torch.Tensor, kv_cache=None, attend=F.scaled_dot_product_attention,
                pos_BT: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None

@@ -43,6 +43,13 @@ def resolve_loss(requested: str, device: torch.device, padded_vocab: int, tokens
     return "chunked"
 
 
+def eval_loss_name(resolved: str, padded_vocab: int, tokens: int) -> str:
+    """The loss an evaluation batch of `tokens` computes with: the run's resolved one, but never
+    whole logits past FULL_LOGITS_MAX_ELEMS (`eval.batch_size` / `eval --batch-size` may exceed
+    the training micro-batch that chose "full")."""
+    return "chunked" if tokens * padded_vocab > FULL_LOGITS_MAX_ELEMS else resolved
+
+
 def chunk_tokens(padded_vocab: int, n_tokens: int | None = None,
                  elems: int = CHUNK_ELEMS["cpu"]) -> int:
     """Tokens per chunk: at most elems // V and, given the number of tokens, the chunks as even

@@ -40,6 +40,7 @@ from lmforge.pipeline.data.loader import TrainLoader
 from lmforge.pipeline.data.mixture import ValSet, is_mixture, train_sources, val_sets
 from lmforge.pipeline.evaluate import evaluate
 from lmforge.pipeline.hardware import dtype_name, peak_flops, to_device
+from lmforge.pipeline.loss import build_loss, eval_loss_name
 from lmforge.pipeline.metrics import MetricsLogger, Progress, get_logger, plot_losses, trim_metrics
 from lmforge.pipeline.optim.optimizers import apply_schedule, build_optimizer
 from lmforge.pipeline.parallel.distributed import DistInfo, all_reduce_sum
@@ -251,10 +252,14 @@ class Trainer:
         sources' weighted mean (see pipeline/data/mixture.py)."""
         record, loss, bpb = {}, 0.0, 0.0
         total = sum(v.weight for v in self.data.val)
+        tokens = self.cfg.eval.batch_size * self.cfg.data.seq_len
+        name = eval_loss_name(self.cfg.train.loss, self.model_cfg.padded_vocab_size, tokens)
+        loss_fn = self.parallel.head_loss if name == self.cfg.train.loss else build_loss(
+            name, self.info.device)
         for v in self.data.val:
             result = evaluate(self.parallel.module, v.batches[:n_batches], self.data.token_bytes,
                               self.info, precision=self.precision,
-                              loss_fn=self.parallel.head_loss, attend=self.parallel.attend)
+                              loss_fn=loss_fn, attend=self.parallel.attend)
             share = v.weight / total if total else 1 / len(self.data.val)
             loss, bpb = loss + share * result.loss, bpb + share * result.bits_per_byte
             if self.data.mixture:

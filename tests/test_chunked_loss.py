@@ -420,3 +420,15 @@ def test_ddp_and_fsdp_two_ranks_eager_and_compiled_equal_plain_path_and_bf16_los
 
 if __name__ == "__main__":
     dist_worker(sys.argv[1])
+
+
+def test_an_eval_batch_never_builds_whole_logits_past_the_bound():
+    """eval.batch_size (or `eval --batch-size`) may exceed the micro-batch that chose "full":
+    an evaluation batch whose logits would pass FULL_LOGITS_MAX_ELEMS is scored by chunks."""
+    from lmforge.pipeline.loss import FULL_LOGITS_MAX_ELEMS, eval_loss_name
+
+    V = 50304
+    fits = FULL_LOGITS_MAX_ELEMS // V
+    assert eval_loss_name("full", V, fits) == "full"
+    assert eval_loss_name("full", V, fits + 1) == "chunked"
+    assert eval_loss_name("chunked", V, 1) == "chunked"

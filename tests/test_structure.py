@@ -217,7 +217,7 @@ def test_precision_autocasts_a_plain_module_exactly_when_computing_in_bf16(dtype
 # Every package of the tree, the benches and the tests included: the rules are the house's, not
 # the product's alone.
 PACKAGES = ("model", "data_prep", "pipeline", "launch", "bench", "tests")
-MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 60
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 60
 
 
 def project_modules() -> dict[str, Path]:

@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_leaves
 
 from bench.runs import run_args, train
 from lmforge.data_prep.tokenizer import load_tokenizer_dir
-from lmforge.launch.prepare import main as prepare
 from lmforge.launch.evaluate import main as eval_main
+from lmforge.launch.prepare import main as prepare
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.parallelize import Precision
 from lmforge.pipeline.tasks.evaluate import encode_task, load_task
