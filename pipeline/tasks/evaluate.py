@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 from lmforge.data_prep.errors import DataError
+from lmforge.data_prep.safe_files import user_path
 from lmforge.data_prep.tokenizer import eot_id
 from lmforge.model import GPT
 from lmforge.pipeline.parallel.distributed import DistInfo, all_reduce_max, all_reduce_sum
@@ -84,7 +85,7 @@ def load_task(spec: str, data_dir: Path | None, max_examples: int | None = None)
     if spec.endswith(".jsonl"):
         if not os.path.lexists(spec):  # anything else there is safe_files' to name
             raise DataError(f"task file {spec} does not exist; give the path of a .jsonl task")
-        examples = load_jsonl(Path(spec))
+        examples = load_jsonl(user_path(spec))  # a path you name may be a link
     elif spec == nextline.NAME:
         if data_dir is None or not Path(data_dir).is_dir():
             raise DataError(f"task {spec} reads the val split of a prepared dataset, and there is "
