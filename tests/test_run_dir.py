@@ -1,15 +1,16 @@
 """The run directory's paths (pipeline/checkpoint/run_dir.py): what each must be before a run
-writes there. Most cases live in tests/test_trust_run_dir.py; this file holds wandb's."""
+writes there. Most cases live in tests/test_run_dir_trust.py; this file holds wandb's."""
 
 from __future__ import annotations
 
 import pytest
 
 from lmforge.pipeline.checkpoint.run_dir import RunDir
-from tests import test_trust_run_dir as trust
-from tests.test_trust_run_dir import files_of, refused, resume
+from tests import test_run_dir_trust as trust
+from tests.errors import last_error_line as refused
+from tests.test_run_dir_trust import files_of, resume
 
-trained, run = trust.trained, trust.run  # its fixtures: a finished 2-step run, a copy of it
+trained, run = trust.trained, trust.copied_run  # its fixtures: a finished 2-step run, a copy of it
 
 
 @pytest.mark.parametrize("kind", ["link", "file"])

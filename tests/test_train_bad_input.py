@@ -25,9 +25,10 @@ from tests.errors import cli_error
 
 
 def test_a_config_path_that_is_no_toml_file_is_one_error(tmp_path, capsys):
-    cli_error(capsys, ["train", "--config", str(tmp_path)], "cannot read config file")
+    cli_error(capsys, ["train", "--config", str(tmp_path)], "config file", "is a directory")
     (tmp_path / "binary.toml").write_bytes(bytes(range(128, 256)))
-    cli_error(capsys, ["train", "--config", str(tmp_path / "binary.toml")], "cannot read config file")
+    cli_error(capsys, ["train", "--config", str(tmp_path / "binary.toml")], "config file",
+              "is not UTF-8")
 
 
 def test_a_context_past_the_models_limit_is_refused(tmp_path):
