@@ -46,7 +46,6 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 PROMPT = "def "
 NEXTLINE_EXAMPLES = 400  # questions of the built-in task scored at the end (100 in the loop)
 PROBE_STEPS = 4  # the probe's steps: the first pays for warm-up, the others are timed
-SAFETY = 0.9  # of the time left planned for: step times drift (thermal, a shared machine)
 FULL = {"data": {"tokenizer": "bpe:4096"}, "train": []}
 QUICK = {
     "data": {"tokenizer": "bpe:1024", "max_docs": 200, "val_docs": 10},
@@ -105,7 +104,7 @@ def fit_steps(data: Path, nproc: int, overrides: list[str], budget_s: float) -> 
     step_s = statistics.median(dts[1:])
     setup_s = rows[0]["time"] - t0 - step_s  # the first step's warm-up included
     round_s = rows[-1]["time"] - rows[-2]["time"] - dts[-1]
-    left_s = SAFETY * budget_s - (end - t0) - setup_s - (end - rows[-1]["time"])
+    left_s = budget_s - (end - t0) - setup_s - (end - rows[-1]["time"])
     floor = min(cfg.train.max_steps, cfg.optim.warmup_steps + 1)
     steps = next((n for n in range(cfg.train.max_steps, floor, -1)
                   if n * step_s + hook_steps(cfg, n) * round_s <= left_s), floor)

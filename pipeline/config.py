@@ -23,7 +23,7 @@ from lmforge.model.model import ModelConfig
 from lmforge.pipeline.checkpoint.hf_init import init_from_model
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.data.config import DATA_KEYS, DataConfig, validate_data
-from lmforge.pipeline.optim.lrs import check_lrs_given, peak_lrs
+from lmforge.pipeline.optim.lrs import GROUPS, check_lrs_given, peak_lrs, width_factor
 from lmforge.pipeline.typed_config import ConfigError, apply_overrides, from_dict, parse_overrides
 from lmforge.pipeline.typed_config import bad_value as _bad
 
@@ -385,6 +385,19 @@ def _describe_optimizer(o: OptimConfig, m: ModelConfig) -> str:
             f"decay {o.muon_weight_decay:g}); {tables}")
 
 
+def _describe_init(cfg: JobConfig) -> list[str]:
+    """A run from pretrained weights: what the width rule does to its lrs, which were measured as
+    a fraction of a from-scratch run's (README "Continue pretraining a released model")."""
+    o, m = cfg.optim, cfg.model
+    if not cfg.checkpoint.init_from:
+        return []
+    groups = [g for g in GROUPS if g != "head" or not m.tie_embeddings]
+    rule = ("the lrs as given (optim.lr_ref_width 0)" if not o.lr_ref_width else
+            f"optim.lr_ref_width {o.lr_ref_width} scales the given lrs to d_model {m.d_model}: "
+            + ", ".join(f"{g} x{width_factor(o, g, m.d_model):.3g}" for g in groups))
+    return [f"init:      {cfg.checkpoint.init_from} at step 0, a fresh optimizer; {rule}"]
+
+
 def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
     """The start-of-run summary: why each training number is what it is."""
     m, t, o = cfg.model, cfg.train, cfg.optim
@@ -411,6 +424,7 @@ def describe(cfg: JobConfig, derived: Derived, n_params: int) -> str:
         f"optimizer: {_describe_optimizer(o, m)}",
         f"numerics:  dtype {t.dtype} (fp32 master weights), compile {t.compile}, attention "
         f"{t.attention}, loss {t.loss}, parallel {t.parallel}, device {t.device}",
+        *_describe_init(cfg),
     ])
 
 
