@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from bench.runs import ROOT, TINY_ARGS, env
 from lmforge.model import ModelConfig
 from lmforge.pipeline.parallel.materialize import meta_gpt
 from tests import test_checkpoint_trust as trust
 from tests.errors import cli_error, last_error, proc_error
+from tests.harness import ROOT, TINY_ARGS, env
 from tests.test_checkpoint_trust import (
     inference_commands,
     read_metadata,

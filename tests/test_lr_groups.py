@@ -12,13 +12,12 @@ import subprocess
 import pytest
 import torch
 
-from bench.common import ROOT
-from bench.runs import env, losses, run_args, train, train_cmd
 from lmforge.launch.cli import main as cli
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline.config import OptimConfig, load_config
 from lmforge.pipeline.optim.optimizers import apply_schedule, build_optimizer, lr_multiplier
 from tests.errors import cli_error, last_error
+from tests.harness import ROOT, env, losses, run_args, train, train_cmd
 
 # The width rule as README "Learning rates" and OptimConfig.lr_ref_width document it: a group's lr
 # is multiplied by (d_model / lr_ref_width) ** exponent.

@@ -13,16 +13,6 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from bench.runs import (
-    TINY_ARGS,
-    kill_group,
-    metrics,
-    start,
-    train,
-    train_cmd,
-    wait_for_step,
-    wait_until,
-)
 from lmforge.data_prep.shards import (
     FORMAT_VERSION,
     Manifest,
@@ -35,6 +25,16 @@ from lmforge.data_prep.shards import (
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.data.loader import Phase, Source, TokenWindows, TrainLoader
 from lmforge.pipeline.data.rows import StreamRows
+from tests.harness import (
+    TINY_ARGS,
+    kill_group,
+    metrics,
+    start,
+    train,
+    train_cmd,
+    wait_for_step,
+    wait_until,
+)
 from tests.test_data_loader import SEQ, VOCAB, make_data
 
 
@@ -162,7 +162,7 @@ def test_dry_run_prints_the_mixture(tiny_data, tmp_path):
     import subprocess
     import sys
 
-    from bench.runs import ROOT, env
+    from tests.harness import ROOT, env
 
     small = small_source(tiny_data, tmp_path / "small")
     out = subprocess.run([sys.executable, "-m", "lmforge.launch.train", "--dry-run",

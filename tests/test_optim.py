@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, losses
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
 from lmforge.pipeline.optim.optimizers import (
@@ -23,6 +22,7 @@ from lmforge.pipeline.optim.optimizers import (
 )
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
+from tests.harness import TINY_ARGS, losses
 from tests.schedule import lr_at
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import ROOT, TINY_ARGS, env
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from tests.errors import last_error
+from tests.harness import ROOT, TINY_ARGS, env
 
 
 def lmforge(*args: str) -> subprocess.CompletedProcess:

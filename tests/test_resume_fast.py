@@ -11,13 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, metrics, run, train, train_cmd
 from lmforge.data_prep.shards import load_manifest
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline.config import OptimConfig, load_config
 from lmforge.pipeline.data.loader import TokenWindows, TrainLoader
 from lmforge.pipeline.optim.optimizers import build_optimizer
 from lmforge.pipeline.parallel.materialize import materialize, meta_gpt
+from tests.harness import TINY_ARGS, metrics, run, train, train_cmd
 
 STEPS, HALF = 8, 4
 # 4 sequences x 64 tokens per micro-step, 512 tokens per step: 2 accumulation micro-steps.

@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-from bench.runs import losses, run, run_args, train
 from lmforge.pipeline import train as train_module
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.config import load_config
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
+from tests.harness import losses, run, run_args, train
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

@@ -22,7 +22,6 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from bench.runs import ROOT, env, metrics, run_args
 from lmforge.launch.cli import main as cli
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.metrics import get_logger
@@ -30,6 +29,7 @@ from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
 from tests.errors import last_error_line
 from tests.file_kinds import plant
+from tests.harness import ROOT, env, metrics, run_args
 from tests.test_checkpoint_lineage import cfg_for
 from tests.test_checkpoint_trust import read_metadata, write_metadata
 

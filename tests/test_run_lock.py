@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import children, kill_group, run, run_args, start, wait_for_step
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.checkpoint import lock as lock_module
 from lmforge.pipeline.checkpoint.lock import check_unlocked, run_lock
@@ -29,6 +28,7 @@ from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.config import ConfigError
 from tests.errors import last_error_line, proc_error
 from tests.file_kinds import tmpfs
+from tests.harness import children, kill_group, run, run_args, start, wait_for_step
 from tests.test_run_dir_trust import copied_run, resume, snapshot, train, trained  # noqa: F401
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
