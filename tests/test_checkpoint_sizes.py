@@ -100,14 +100,6 @@ def test_a_tensor_larger_than_its_storage_is_refused(step, tiny_data, capsys):
               "needs 256 bytes")
 
 
-def test_chunks_that_do_not_cover_their_tensor_are_refused(step, capsys):
-    md = read_metadata(step)
-    entry = md.state_dict_metadata["model.norm_f.weight"]
-    entry.chunks = [ChunkStorageMetadata((0,), (1,))]
-    write_metadata(step, md)
-    cli_error(capsys, ["sample", "--ckpt", str(step), "--prompt", "x"], "cover 1 of its 64")
-
-
 @pytest.mark.parametrize("field", [("transform_descriptors", ["stream.zstd/1"]),
                                    ("extra_field", 1)])
 def test_a_storage_transform_is_refused_before_any_read(step, tiny_data, capsys, field):

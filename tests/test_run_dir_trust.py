@@ -27,7 +27,7 @@ from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.metrics import get_logger
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
-from tests.errors import last_error_line
+from tests.errors import cli_error, last_error_line
 from tests.file_kinds import plant
 from tests.harness import ROOT, env, metrics, run_args
 from tests.test_checkpoint_lineage import cfg_for
@@ -107,6 +107,15 @@ def test_a_checkpoint_whose_chunks_count_rows_twice_is_refused(how, run, tiny_da
         last_error_line(2, err, "refusing to load", key, "twice")
     rc, err = resume(capsys, tiny_data, run)
     last_error_line(rc, err, key, "twice")
+
+
+def test_a_checkpoint_whose_chunks_leave_elements_unstored_is_refused(run, capsys):
+    step = run / STEP
+    md = read_metadata(step)
+    md.state_dict_metadata["model.norm_f.weight"].chunks = [ChunkStorageMetadata((0,), (1,))]
+    write_metadata(step, md)
+    cli_error(capsys, ["sample", "--ckpt", str(step), "--prompt", "x"], "model.norm_f.weight",
+              "cover 1 of its 64")
 
 
 # ---- dtype auto is saved resolved and kept by a resume -----------------------------------------
