@@ -1,7 +1,6 @@
 """`lmforge train` given a mistake: one `error:` line and exit 2, before anything is written,
-on one process and under `--nproc 2` alike. Each case is one a review found ending in a
-traceback, in a schedule that silently was not the configured one, or in a finished run
-overwritten."""
+on one process and under `--nproc 2` alike. Each case once ended in a traceback, in a
+schedule that silently was not the configured one, or in a finished run overwritten."""
 
 from __future__ import annotations
 
