@@ -77,18 +77,6 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
 
 
-def test_retuning_lr_to_equal_embed_lr_resumes(tiny_data, tmp_path):
-    """Issue 51 #15: a run with optim.embed_lr of its own, resumed with optim.lr set to the same
-    value, was refused (its group would vanish), and so was the resume the refusal proposed."""
-    own = ["--optim.name", "muon", "--model.tie_embeddings", "false", "--optim.embed_lr", "0.05",
-           "--checkpoint.every", "2"]
-    train(run_args(tiny_data, tmp_path / "r", *own, "--train.max_steps", "2"))
-    res = _run(run_args(tiny_data, tmp_path / "r", *own, "--train.max_steps", "4", "--optim.lr", "0.05",
-                        "--checkpoint.resume", "auto"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4]
-
-
 def _as_old_format(step_dir, adamw_lr: float) -> None:
     """Rewrite a checkpoint's meta.json as lmforge wrote it before this change (format 2): the
     old optim keys, optim.lr the AdamW groups' under muon and optim.muon_lr the matrices'."""
