@@ -32,7 +32,7 @@ from lmforge.pipeline.config import ConfigError
 from tests.errors import last_error_line, proc_error
 from tests.file_kinds import tmpfs
 from tests.harness import children, kill_group, run, run_args, start, wait_for_step
-from tests.test_run_dir_trust import copied_run, resume, snapshot, train, trained  # noqa: F401
+from tests.test_run_dir import copied_run, resume, snapshot, train, trained  # noqa: F401
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
 
