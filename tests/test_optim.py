@@ -1,6 +1,7 @@
 """Optimizers and schedules, in one process: the schedules' first, peak and last values, the
 Muon/AdamW parameter split, Muon's fp32 step against torch's, config checks, decoupled weight
-decay on the matrices only. A resume's optimizer state and retuned lrs: tests/test_resume.py."""
+decay on the matrices only. The lr groups: tests/test_lr_groups.py; a resume's optimizer state
+and retuned lrs: tests/test_resume.py."""
 
 from __future__ import annotations
 
@@ -80,40 +81,6 @@ def test_muon_gets_the_block_matrices_and_adamw_the_rest(tiny_model):
                for p in scalar["params"])
     assert isinstance(build_optimizer(tiny_model, OptimConfig(), torch.device("cpu")),
                       torch.optim.AdamW)
-
-
-@pytest.mark.parametrize("name", ["muon", "adamw"])
-def test_each_lr_group_is_a_group_of_its_own_under_both_optimizers(name):
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
-                            max_seq_len=32, tie_embeddings=False, value_embeds=True))
-    cfg = OptimConfig(name=name, lr=3e-3, embed_lr=0.3, head_lr=0.01, warmup_steps=4)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
-    apply_schedule(opt, 2, 100, cfg, 64)
-    m = lr_multiplier(2, 100, cfg)
-    names = {id(p): n for n, p in model.named_parameters()}
-    by_kind = {g["kind"]: g for g in opt.param_groups}
-    assert len(by_kind) == len(opt.param_groups) == 4
-    assert sorted(names[id(p)] for p in by_kind["embed"]["params"]) == sorted(
-        ["tok_emb.weight", *(f"value_embeds.{i}.weight" for i in model.cfg.value_embed_layers())])
-    assert [names[id(p)] for p in by_kind["head"]["params"]] == ["lm_head.weight"]
-    assert {names[id(p)] for p in by_kind["matrix"]["params"]} == {
-        n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
-    assert by_kind["embed"]["lr"] == pytest.approx(0.3 * m) and by_kind["head"]["lr"] == pytest.approx(0.01 * m)
-    # 0 = optim.lr: the gains follow the matrices' lr, Muon's under muon as AdamW's under adamw
-    assert by_kind["matrix"]["lr"] == by_kind["scalar"]["lr"] == pytest.approx(3e-3 * m)
-    grouped = [p for g in opt.param_groups for p in g["params"]]
-    assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
-
-
-def test_a_head_lr_needs_an_untied_head_and_a_tied_table_takes_embed_lr():
-    with pytest.raises(ConfigError, match=r"optim[.]head_lr.*tie_embeddings = false") as e:
-        load_config(None, ["--optim.head_lr", "0.1"])
-    assert "\n" not in str(e.value)
-    tied = load_config(None, ["--optim.embed_lr", "0.1", "--optim.name", "muon", "--optim.lr", "3e-3"])
-    assert "embedding table(s) at peak lr 0.1, the norms' gains at 0.003" in describe(tied, derive(tied, 1), 1000)
-    cfg = load_config(None, ["--optim.head_lr", "0.1", "--model.tie_embeddings", "false"])
-    assert "at peak lr 0.003, the head at 0.1" in describe(cfg, derive(cfg, 1), 1000)
 
 
 def _three_steps(opt_cls, **kw) -> torch.Tensor:
