@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 
-from bench import runs as lu
 from bench.common import GPT2_VOCAB, ROOT
 from bench.train_bench import Run, training_step
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.hardware import configure_cuda, datasheet_peak, dtype_name, resolve_dtype
 from lmforge.pipeline.parallel.materialize import meta_gpt
+from tests import harness as lu
 
 # bf16 on GPU: 1 process (autocast) vs 2 (other reduction order; FSDP casts the parameters
 # themselves) agree to ~1e-3 early on and drift slowly; a real bug is off by far more.

@@ -21,14 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from bench.common import ROOT, header, machine
 from bench.optimum import vertex
-from bench.runs import env, train_cmd
 from bench.speedrun import read_records
 
 KEYS = {"matrix": "optim.lr", "embed": "optim.embed_lr", "head": "optim.head_lr",
@@ -65,17 +66,18 @@ def run_cmd(a, out: Path, width: int, seed: int, coord: str, k: int) -> list[str
     heads = width // 64
     lrs = [f for g, lr in lrs_of(a.centre, coord, k).items() if g != "head" or a.untied
            for f in (f"--{KEYS[g]}", repr(lr))]
-    return train_cmd(["--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(a.data),
-                      "--log.out_dir", str(out), "--optim.name", a.optimizer,
-                      "--model.d_model", str(width), "--model.n_head", str(heads),
-                      "--model.n_kv_head", str(max(1, heads // 2)),
-                      "--model.tie_embeddings", "false" if a.untied else "true",
-                      "--train.seed", str(seed), "--train.max_steps", str(a.steps),
-                      "--train.global_batch_tokens", str(TOKENS * a.batch),
-                      "--optim.warmup_steps", str(WARMUP * a.steps // STEPS),
-                      "--sample.every", "0", "--eval.every", "0", "--eval.tasks_every", "0",
-                      "--checkpoint.every", "0", "--log.log_every", "50", *FIXED[a.optimizer],
-                      *lrs, "--optim.lr_ref_width", str(a.rule)])
+    return [sys.executable, "-m", "lmforge.launch.train",
+            "--config", str(ROOT / "configs" / "tiny.toml"), "--data.path", str(a.data),
+            "--log.out_dir", str(out), "--optim.name", a.optimizer,
+            "--model.d_model", str(width), "--model.n_head", str(heads),
+            "--model.n_kv_head", str(max(1, heads // 2)),
+            "--model.tie_embeddings", "false" if a.untied else "true",
+            "--train.seed", str(seed), "--train.max_steps", str(a.steps),
+            "--train.global_batch_tokens", str(TOKENS * a.batch),
+            "--optim.warmup_steps", str(WARMUP * a.steps // STEPS),
+            "--sample.every", "0", "--eval.every", "0", "--eval.tasks_every", "0",
+            "--checkpoint.every", "0", "--log.log_every", "50", *FIXED[a.optimizer],
+            *lrs, "--optim.lr_ref_width", str(a.rule)]
 
 
 def model_lrs(a, width: int, lrs: dict[str, float]) -> dict[str, float]:
@@ -96,7 +98,8 @@ def ledger(a) -> dict[str, dict]:
 def run_one(a, width: int, seed: int, coord: str, k: int) -> None:
     name, lrs = run_name(a, width, seed, coord, k), lrs_of(a.centre, coord, k)
     out = a.runs / name
-    subprocess.run(run_cmd(a, out, width, seed, coord, k), cwd=ROOT, env=env(), check=True,
+    subprocess.run(run_cmd(a, out, width, seed, coord, k), cwd=ROOT, check=True,
+                   env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, timeout=a.timeout)
     loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == a.steps and "val_loss" in r)
     record = {"run": name, "val_loss": loss, "optimizer": a.optimizer, "untied": a.untied,

@@ -11,13 +11,13 @@ One table, `weight_table`, read both ways: export splits our tensors by it, impo
 that does not round-trip through the export cannot exist. Our RoPE already rotates
 (x[i], x[i + K/2]) pairs, the half-split layout of HF Llama's rotate_half, and Hugging Face's
 checkpoints are stored in that layout, so q/k weights map across unpermuted (the logit-parity
-tests in tests/test_hf.py would fail otherwise). Only the fused projections are split/joined:
+tests in tests/test_hf_export.py would fail otherwise). Only the fused projections are split/joined:
 qkv <-> q_proj/k_proj/v_proj and the SwiGLU up <-> gate_proj/up_proj; the vocabulary padding rows
 are dropped on export and restored (as zeros) on import.
 
 config.json is read by every transformers we allow (pyproject: >= 4.45): 4.x reads the
 top-level `rope_theta` and `torch_dtype` and silently defaults to 10000 and fp32 without them,
-5.x reads `rope_parameters` and `dtype`, so both forms are written. tests/test_hf.py checks the
+5.x reads `rope_parameters` and `dtype`, so both forms are written. tests/test_hf_export.py checks the
 logits against the oldest allowed transformers as well as the installed one.
 """
 

@@ -219,8 +219,8 @@ class Attention(nn.Module):
         # enable_gqa lets SDPA read the G shared K/V heads directly instead of materialising
         # H/G copies with repeat_interleave. On CUDA the flash kernel (bf16/fp16) supports it
         # natively (torch documents flash + math only); on CPU the flash kernel measured faster
-        # than repeat_interleave, forward + backward (bench/model_bench.py's "gqa" line, in git at
-        # 517bfd5^).
+        # than repeat_interleave, forward + backward (a bench removed in 517bfd5; no figure was
+        # filed in bench/results).
         y_BHTK = attend(q_BHTK, k_BGSK, v_BGSK, attn_mask=attn_mask, is_causal=is_causal,
                         enable_gqa=G != H)
         return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * K))

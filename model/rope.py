@@ -14,7 +14,8 @@ def rope_inv_freq(cfg) -> torch.Tensor:
     _compute_llama3_parameters does, op for op: wavelengths longer than rope_original_max_len /
     rope_low_freq_factor are stretched rope_scaling_factor times, those shorter than
     rope_original_max_len / rope_high_freq_factor kept, the band between interpolated (the
-    logit-parity tests in tests/test_hf_models.py hold it to transformers)."""
+    logit-parity tests in tests/test_hf_init.py and tests/test_hf_export.py hold it to
+    transformers)."""
     K = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, K, 2, dtype=torch.float32) / K)
     if cfg.rope_scaling != "llama3":
@@ -41,8 +42,8 @@ def apply_rope(x_BTNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     """Rotate each pair (x[i], x[i + K/2]) by its angle: the half-split layout of Hugging Face
     Llama's rotate_half, so q/k weights export unpermuted. The halves swap by slices and a cat:
     compiled, its backward reads whole runs of each half, where roll's wrapped index made
-    inductor load element by element (bench/step_ab.py's rope line, in git at 517bfd5^). cos/sin
-    broadcast to (B, T, 1, K)."""
+    inductor load element by element (bench/results/README.md, "Other": the RoPE kernel 8.5 ->
+    5.8 ms a step). cos/sin broadcast to (B, T, 1, K)."""
     cos, sin = cos.to(x_BTNK.dtype), sin.to(x_BTNK.dtype)
     x1, x2 = x_BTNK.chunk(2, dim=-1)
     return x_BTNK * cos + torch.cat((x2, x1), dim=-1) * sin

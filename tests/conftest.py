@@ -84,7 +84,7 @@ LAYOUT_STEPS = 24
 
 
 def layout_args(data, out, *extra: str) -> list[str]:
-    from bench.runs import run_args
+    from tests.harness import run_args
 
     return run_args(data, out, "--train.global_batch_tokens", "1024",
                     "--train.max_steps", str(LAYOUT_STEPS), "--checkpoint.every", "4",
@@ -96,7 +96,7 @@ def layout_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     """One run per layout ("none", "ddp", "fsdp"), each with its gradient collectives traced
     to RUN.trace.rankN (tests/traced_train.py): the baselines of the accumulation, parity,
     resume and resharding tests, trained once for all of them."""
-    from bench.runs import train
+    from tests.harness import train
 
     def build(root: Path) -> None:
         for parallel in ("none", "ddp", "fsdp"):

@@ -15,7 +15,7 @@ def one_error_line(rc: int, err: str, *needles: str) -> str:
 
 
 def proc_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """The same for a finished process: its stderr (or its stdout, where bench.runs merged them)."""
+    """The same for a finished process: its stderr (or its stdout, where tests.harness merged them)."""
     return one_error_line(proc.returncode, proc.stderr or proc.stdout, *needles)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench.runs import TINY_ARGS
+from tests.harness import TINY_ARGS
 
 EOS = "<|endoftext|>"
 BOS = "<|begin_of_text|>"
@@ -122,7 +122,7 @@ def make_model(out: Path, arch: str = "llama", tie: bool = False, n_kv_head: int
 
 
 def run_args(data: Path | str, out: Path, *extra: str) -> list[str]:
-    """bench.runs' tiny-run flags without its --model.* ones (init_from gives the model); `data`
+    """tests.harness' tiny-run flags without its --model.* ones (init_from gives the model); `data`
     a directory, or a `--data.mix` string."""
     pairs = list(zip(TINY_ARGS[::2], TINY_ARGS[1::2], strict=True))
     return ["--data.mix" if isinstance(data, str) else "--data.path", str(data), "--log.out_dir", str(out),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import metrics
 from tests.conftest import LAYOUT_STEPS as STEPS
+from tests.harness import metrics
 
 pytestmark = pytest.mark.dist
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench.common import ROOT
+from tests.harness import ROOT
 
 SIZE = 2**24  # 16 MiB: glibc's default mmaps a block of the size it just freed again
 PAGES = SIZE // 4096

@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from bench.runs import (
+from lmforge.pipeline.checkpoint import format as ckpt
+from tests.harness import (
     kill_group,
     losses,
     run,
@@ -20,7 +21,6 @@ from bench.runs import (
     train_cmd,
     wait_for_step,
 )
-from lmforge.pipeline.checkpoint import format as ckpt
 
 pytestmark = pytest.mark.dist
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from bench.runs import losses, metrics, run_config
 from lmforge.data_prep import shards as S
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.checkpoint.run_dir import RunDir
@@ -24,6 +23,7 @@ from lmforge.pipeline.data.loader import TokenWindows
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
+from tests.harness import losses, metrics, run_config
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

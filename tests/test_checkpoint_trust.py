@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from bench.runs import ROOT, TINY_ARGS, env
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
 from tests.errors import cli_error, last_error
+from tests.harness import ROOT, TINY_ARGS, env
 from tests.test_checkpoint_lineage import cfg_for
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -400,7 +400,7 @@ def dist_results(info) -> dict:
 @pytest.mark.dist
 @pytest.mark.slow  # two cold compiles per rank: ~2 min on 2 idle cores
 def test_ddp_and_fsdp_two_ranks_eager_and_compiled_equal_plain_path_and_bf16_loss_is_fp32(tmp_path):
-    from bench.runs import run
+    from tests.harness import run
 
     out = tmp_path / "out.json"
     res = run([sys.executable, "-m", "torch.distributed.run", "--standalone",

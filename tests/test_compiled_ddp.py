@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from bench.runs import losses, max_diff, train
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from tests.conftest import LAYOUT_STEPS, layout_args
+from tests.harness import losses, max_diff, train
 
 pytestmark = pytest.mark.dist
 

@@ -8,7 +8,7 @@ import ast
 import subprocess
 import sys
 
-from bench.common import ROOT
+from tests.harness import ROOT
 
 PACKAGES = ("model", "data_prep", "pipeline", "launch")
 ENTRY_POINTS = tuple(f"lmforge.{m}" for m in ("launch.train", "pipeline.train", "launch.evaluate",

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import ROOT, TINY_ARGS, env
 from lmforge.data_prep import shards as S
 from tests.errors import last_error, one_error_line, proc_error
 from tests.file_kinds import files_under, plant
+from tests.harness import ROOT, TINY_ARGS, env
 from tests.test_eval_sample_export import make_checkpoint
 from tests.test_prepare_bad_input import byte_vocab
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import ROOT, TINY_ARGS, env, run_args
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from tests.errors import last_error, proc_error
 from tests.file_kinds import full_disk, tmpfs
+from tests.harness import ROOT, TINY_ARGS, env, run_args
 from tests.test_eval_sample_export import make_checkpoint
 from tests.test_prepare_bad_input import docs_dir, prepare
 

@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
-from bench.runs import (
+from lmforge.pipeline.checkpoint import format as ckpt
+from tests.conftest import LAYOUT_STEPS, layout_args
+from tests.harness import (
     children,
     free_port,
     kill_group,
@@ -27,8 +29,6 @@ from bench.runs import (
     train_cmd,
     wait_for_step,
 )
-from lmforge.pipeline.checkpoint import format as ckpt
-from tests.conftest import LAYOUT_STEPS, layout_args
 
 pytestmark = pytest.mark.dist
 

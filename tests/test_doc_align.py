@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from bench.runs import ROOT, TINY_ARGS, env
 from lmforge.data_prep.safe_files import file_sha256
 from lmforge.data_prep.shards import (
     FORMAT_VERSION,
@@ -36,6 +35,7 @@ from lmforge.model.model import IGNORE_INDEX
 from lmforge.pipeline.data.loader import Source, TokenWindows, TrainLoader
 from lmforge.pipeline.data.rows import DocRows
 from tests.errors import cli_error, last_error
+from tests.harness import ROOT, TINY_ARGS, env
 
 EOT, VOCAB, SEQ = 0, 1000, 16
 

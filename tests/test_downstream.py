@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.runs import ROOT, env, run, run_args, train
 from lmforge.data_prep.tokenizer import load_tokenizer_dir
 from lmforge.launch.evaluate import main as eval_main
 from lmforge.pipeline.tasks import named
@@ -21,6 +20,7 @@ from lmforge.pipeline.tasks.evaluate import encode_task, load_task
 from lmforge.pipeline.tasks.example import Example
 from lmforge.pipeline.tasks.score import choice_loglikelihoods, encode_pair, verdict
 from tests.errors import cli_error, proc_error
+from tests.harness import ROOT, env, run, run_args, train
 
 STEPS = 20
 

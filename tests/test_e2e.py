@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, metrics, run
+from tests.harness import TINY_ARGS, metrics, run
 
 pytestmark = pytest.mark.dist
 

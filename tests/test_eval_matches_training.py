@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from bench.runs import TINY_ARGS, metrics, run, train
 from lmforge.launch.evaluate import FSDP_BF16_REL_TOL
+from tests.harness import TINY_ARGS, metrics, run, train
 
 STEPS = 5  # TINY_ARGS evaluate 512 tokens every 5 steps
 

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from bench.runs import (
+from lmforge.pipeline.checkpoint import format as ckpt
+from lmforge.pipeline.inference import load_for_inference
+from tests.harness import (
     kill_group,
     losses,
     run_args,
@@ -20,8 +22,6 @@ from bench.runs import (
     wait_for_step,
     wait_until,
 )
-from lmforge.pipeline.checkpoint import format as ckpt
-from lmforge.pipeline.inference import load_for_inference
 
 pytestmark = pytest.mark.dist
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from bench.runs import run_args, train
+from tests.harness import run_args, train
 
 # d_model 768, 4 layers: ~25M parameters, 16 bytes each in training (fp32 weights, gradients,
 # AdamW's two moments); sharded over 2 ranks, each holds half of that.

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.runs import run
+from tests.harness import run
 
 
 @pytest.mark.slow

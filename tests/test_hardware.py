@@ -13,13 +13,13 @@ import platform
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, metrics
 from lmforge.launch import envinfo
 from lmforge.pipeline import hardware
 from lmforge.pipeline.config import ConfigError
 from lmforge.pipeline.cpu import machine
 from lmforge.pipeline.metrics import setup_logging
 from tests.errors import cli_error
+from tests.harness import TINY_ARGS, metrics
 
 
 @pytest.fixture(autouse=True)

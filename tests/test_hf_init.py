@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.runs import env, losses, max_diff, train
 from lmforge.data_prep.tokenizer import load_tokenizer
 from lmforge.launch.cli import main as lmforge_main
 from lmforge.pipeline.checkpoint.hf_init import load_hf_model
@@ -29,6 +28,7 @@ from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
 from tests.conftest import ROOT, built_once
 from tests.errors import cli_error
+from tests.harness import env, losses, max_diff, train
 from tests.hf_dirs import LLAMA3_ROPE, hf_encode, make_model, make_tokenizer, run_args
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,5 @@
-"""One meaning per lr key under both optimizers, the width rule (optim.lr_ref_width) group by
+"""One meaning per lr key under both optimizers (each lr group a group of its own; a head lr only
+for an untied head), the width rule (optim.lr_ref_width) group by
 group, and what a user holds from before the lr keys changed: a checkpoint (refused for resume in
 one line, still evaluated), a config file (refused in one line, never read with another meaning).
 An optimizer switched on the command line takes its own lr."""
@@ -12,13 +13,12 @@ import subprocess
 import pytest
 import torch
 
-from bench.common import ROOT
-from bench.runs import env, losses, run_args, train, train_cmd
 from lmforge.launch.cli import main as cli
 from lmforge.model import GPT, ModelConfig
-from lmforge.pipeline.config import OptimConfig, load_config
+from lmforge.pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
 from lmforge.pipeline.optim.optimizers import apply_schedule, build_optimizer, lr_multiplier
 from tests.errors import cli_error, last_error
+from tests.harness import ROOT, env, losses, run_args, train, train_cmd
 
 # The width rule as README "Learning rates" and OptimConfig.lr_ref_width document it: a group's lr
 # is multiplied by (d_model / lr_ref_width) ** exponent.
@@ -55,6 +55,40 @@ def test_the_width_rule_scales_each_group_as_documented(name, d_model):
     assert _lrs_by_group(name, d_model, 0) == pytest.approx(GIVEN)  # 0 = off: as given
 
 
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_each_lr_group_is_a_group_of_its_own_under_both_optimizers(name):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                            max_seq_len=32, tie_embeddings=False, value_embeds=True))
+    cfg = OptimConfig(name=name, lr=3e-3, embed_lr=0.3, head_lr=0.01, warmup_steps=4)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    apply_schedule(opt, 2, 100, cfg, 64)
+    m = lr_multiplier(2, 100, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_kind = {g["kind"]: g for g in opt.param_groups}
+    assert len(by_kind) == len(opt.param_groups) == 4
+    assert sorted(names[id(p)] for p in by_kind["embed"]["params"]) == sorted(
+        ["tok_emb.weight", *(f"value_embeds.{i}.weight" for i in model.cfg.value_embed_layers())])
+    assert [names[id(p)] for p in by_kind["head"]["params"]] == ["lm_head.weight"]
+    assert {names[id(p)] for p in by_kind["matrix"]["params"]} == {
+        n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
+    assert by_kind["embed"]["lr"] == pytest.approx(0.3 * m) and by_kind["head"]["lr"] == pytest.approx(0.01 * m)
+    # 0 = optim.lr: the gains follow the matrices' lr, Muon's under muon as AdamW's under adamw
+    assert by_kind["matrix"]["lr"] == by_kind["scalar"]["lr"] == pytest.approx(3e-3 * m)
+    grouped = [p for g in opt.param_groups for p in g["params"]]
+    assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
+
+
+def test_a_head_lr_needs_an_untied_head_and_a_tied_table_takes_embed_lr():
+    with pytest.raises(ConfigError, match=r"optim[.]head_lr.*tie_embeddings = false") as e:
+        load_config(None, ["--optim.head_lr", "0.1"])
+    assert "\n" not in str(e.value)
+    tied = load_config(None, ["--optim.embed_lr", "0.1", "--optim.name", "muon", "--optim.lr", "3e-3"])
+    assert "embedding table(s) at peak lr 0.1, the norms' gains at 0.003" in describe(tied, derive(tied, 1), 1000)
+    cfg = load_config(None, ["--optim.head_lr", "0.1", "--model.tie_embeddings", "false"])
+    assert "at peak lr 0.003, the head at 0.1" in describe(cfg, derive(cfg, 1), 1000)
+
+
 def test_a_resume_keeps_the_rules_lrs(tiny_data, tmp_path):
     """A run under the rule stopped at step 4 and resumed from its checkpoint logs the straight
     run's losses and scaled lrs from there (TINY_ARGS' d_model 64, given at 256: the head x4)."""
@@ -76,18 +110,6 @@ def test_a_resume_keeps_the_rules_lrs(tiny_data, tmp_path):
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
-
-
-def test_retuning_lr_to_equal_embed_lr_resumes(tiny_data, tmp_path):
-    """Issue 51 #15: a run with optim.embed_lr of its own, resumed with optim.lr set to the same
-    value, was refused (its group would vanish), and so was the resume the refusal proposed."""
-    own = ["--optim.name", "muon", "--model.tie_embeddings", "false", "--optim.embed_lr", "0.05",
-           "--checkpoint.every", "2"]
-    train(run_args(tiny_data, tmp_path / "r", *own, "--train.max_steps", "2"))
-    res = _run(run_args(tiny_data, tmp_path / "r", *own, "--train.max_steps", "4", "--optim.lr", "0.05",
-                        "--checkpoint.resume", "auto"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4]
 
 
 def _as_old_format(step_dir, adamw_lr: float) -> None:

@@ -8,11 +8,11 @@ import sys
 
 import torch
 
-from bench.runs import ROOT, run
 from lmforge.model import ModelConfig
 from lmforge.pipeline.parallel.distributed import DistInfo, distributed
 from lmforge.pipeline.parallel.materialize import meta_gpt
 from lmforge.pipeline.parallel.parallelize import Precision, parallelize
+from tests.harness import ROOT, run
 
 CFG = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=96, max_seq_len=64)
 SEED = 1234

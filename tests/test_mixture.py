@@ -8,21 +8,14 @@ import json
 import math
 import shutil
 import signal
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.runs import (
-    TINY_ARGS,
-    kill_group,
-    metrics,
-    start,
-    train,
-    train_cmd,
-    wait_for_step,
-    wait_until,
-)
 from lmforge.data_prep.shards import (
     FORMAT_VERSION,
     Manifest,
@@ -35,6 +28,18 @@ from lmforge.data_prep.shards import (
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.data.loader import Phase, Source, TokenWindows, TrainLoader
 from lmforge.pipeline.data.rows import StreamRows
+from tests.harness import (
+    ROOT,
+    TINY_ARGS,
+    env,
+    kill_group,
+    metrics,
+    start,
+    train,
+    train_cmd,
+    wait_for_step,
+    wait_until,
+)
 from tests.test_data_loader import SEQ, VOCAB, make_data
 
 
@@ -158,16 +163,15 @@ def test_two_processes_equal_one_and_kill_resume_on_another_world_size(tiny_data
     assert "data phase 1 starts" in log and "data source small starts epoch 1" in log
 
 
+def lmforge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmforge.launch.cli", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+
+
 def test_dry_run_prints_the_mixture(tiny_data, tmp_path):
-    import subprocess
-    import sys
-
-    from bench.runs import ROOT, env
-
     small = small_source(tiny_data, tmp_path / "small")
-    out = subprocess.run([sys.executable, "-m", "lmforge.launch.train", "--dry-run",
-                          *mixture_args(tiny_data, small, tmp_path / "run"), "--data.align", "doc"],
-                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    out = lmforge("train", "--dry-run", *mixture_args(tiny_data, small, tmp_path / "run"),
+                  "--data.align", "doc")
     assert out.returncode == 0, out.stderr
     lines = {ln.split()[0]: ln for ln in out.stdout.splitlines() if "train tokens" in ln}
     assert set(lines) == {"pystdlib", "small"}
@@ -176,3 +180,18 @@ def test_dry_run_prints_the_mixture(tiny_data, tmp_path):
     assert "% of doc rows padding" in lines["pystdlib"]
     assert "2 phase(s) from steps [0, 8]" in out.stdout
     assert not (tmp_path / "run").exists()  # a dry run starts nothing
+
+
+def test_huge_weights_still_draw_from_every_source(tiny_data, tmp_path):
+    """Weights whose sum overflows a float: half the rows from each source, in inspect and in
+    train's plan, not all from one."""
+    a, b = (Path(shutil.copytree(tiny_data, tmp_path / n)) for n in ("a", "b"))
+    mix = f"{a}:1e308,{b}:1e308"
+    proc = lmforge("inspect", str(a), "--rows", "64", "--mix", mix, "--seq-len", "64", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    drawn = [r["source"] for r in json.loads(proc.stdout)["rows"]]
+    assert 16 < drawn.count("b") < 48, drawn  # half of 64, not none
+    dry = lmforge("train", "--data.mix", mix, "--log.out_dir", str(tmp_path / "run"), *TINY_ARGS,
+                  "--dry-run")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert dry.stdout.count("weight 0.5, ") == 2, dry.stdout[-2000:]

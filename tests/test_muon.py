@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bench.runs import losses, max_diff, run_args, train
 from lmforge.model import GPT
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.checkpoint.safe_dcp import SafeFileSystemReader, single_process_ok
 from lmforge.pipeline.optim.optimizers import build_optimizer
 from lmforge.pipeline.parallel.distributed import DistInfo
+from tests.harness import losses, max_diff, run_args, train
 
 pytestmark = pytest.mark.dist
 

@@ -1,16 +1,13 @@
 """Optimizers and schedules, in one process: the schedules' first, peak and last values, the
-Muon/AdamW parameter split, Muon's fp32 step against torch's, config checks, exact resume."""
+Muon/AdamW parameter split, Muon's fp32 step against torch's, config checks, decoupled weight
+decay on the matrices only. The lr groups: tests/test_lr_groups.py; a resume's optimizer state
+and retuned lrs: tests/test_resume.py."""
 
 from __future__ import annotations
-
-import json
-import math
-import shutil
 
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, losses
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline.config import ConfigError, OptimConfig, derive, describe, load_config
 from lmforge.pipeline.optim.optimizers import (
@@ -21,11 +18,7 @@ from lmforge.pipeline.optim.optimizers import (
     lr_multiplier,
     muon_momentum_at,
 )
-from lmforge.pipeline.parallel.distributed import DistInfo
-from lmforge.pipeline.train import Trainer
 from tests.schedule import lr_at
-
-CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def test_cosine_peaks_for_one_step_and_ends_at_the_floor():
@@ -90,40 +83,6 @@ def test_muon_gets_the_block_matrices_and_adamw_the_rest(tiny_model):
                       torch.optim.AdamW)
 
 
-@pytest.mark.parametrize("name", ["muon", "adamw"])
-def test_each_lr_group_is_a_group_of_its_own_under_both_optimizers(name):
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
-                            max_seq_len=32, tie_embeddings=False, value_embeds=True))
-    cfg = OptimConfig(name=name, lr=3e-3, embed_lr=0.3, head_lr=0.01, warmup_steps=4)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
-    apply_schedule(opt, 2, 100, cfg, 64)
-    m = lr_multiplier(2, 100, cfg)
-    names = {id(p): n for n, p in model.named_parameters()}
-    by_kind = {g["kind"]: g for g in opt.param_groups}
-    assert len(by_kind) == len(opt.param_groups) == 4
-    assert sorted(names[id(p)] for p in by_kind["embed"]["params"]) == sorted(
-        ["tok_emb.weight", *(f"value_embeds.{i}.weight" for i in model.cfg.value_embed_layers())])
-    assert [names[id(p)] for p in by_kind["head"]["params"]] == ["lm_head.weight"]
-    assert {names[id(p)] for p in by_kind["matrix"]["params"]} == {
-        n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
-    assert by_kind["embed"]["lr"] == pytest.approx(0.3 * m) and by_kind["head"]["lr"] == pytest.approx(0.01 * m)
-    # 0 = optim.lr: the gains follow the matrices' lr, Muon's under muon as AdamW's under adamw
-    assert by_kind["matrix"]["lr"] == by_kind["scalar"]["lr"] == pytest.approx(3e-3 * m)
-    grouped = [p for g in opt.param_groups for p in g["params"]]
-    assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
-
-
-def test_a_head_lr_needs_an_untied_head_and_a_tied_table_takes_embed_lr():
-    with pytest.raises(ConfigError, match=r"optim[.]head_lr.*tie_embeddings = false") as e:
-        load_config(None, ["--optim.head_lr", "0.1"])
-    assert "\n" not in str(e.value)
-    tied = load_config(None, ["--optim.embed_lr", "0.1", "--optim.name", "muon", "--optim.lr", "3e-3"])
-    assert "embedding table(s) at peak lr 0.1, the norms' gains at 0.003" in describe(tied, derive(tied, 1), 1000)
-    cfg = load_config(None, ["--optim.head_lr", "0.1", "--model.tie_embeddings", "false"])
-    assert "at peak lr 0.003, the head at 0.1" in describe(cfg, derive(cfg, 1), 1000)
-
-
 def _three_steps(opt_cls, **kw) -> torch.Tensor:
     """How far three steps move a 48x24 matrix (momentum accumulates over them)."""
     torch.manual_seed(1)
@@ -179,44 +138,19 @@ def test_describe_names_the_optimizer():
     assert "optimizer: AdamW" in describe(load_config(None, []), derive(cfg, 1), 1000)
 
 
-def _cfg(data, out, *extra):
-    return load_config(None, ["--data.path", str(data), "--log.out_dir", str(out), *TINY_ARGS,
-                              "--optim.name", "muon", "--optim.muon_momentum_warmup_steps", "6",
-                              "--optim.lr", "0.02", "--optim.embed_lr", "3e-3", "--optim.scalar_lr", "3e-3",
-                              "--train.max_steps", "8", "--checkpoint.every", "4", *extra])
-
-
-@pytest.mark.parametrize("own_lrs", [[], ["--model.tie_embeddings", "false", "--optim.embed_lr", "0.1",
-                                         "--optim.head_lr", "0.01"]], ids=["tied", "own-lrs"])
-def test_muon_resume_is_exact_and_saves_momentum(tiny_data, tmp_path, own_lrs):
-    Trainer(_cfg(tiny_data, tmp_path / "straight", *own_lrs), CPU).fit()
-    straight = losses(tmp_path / "straight")
-    assert straight[8] < straight[1] - 0.3 and all(math.isfinite(v) for v in straight.values())
-    step4 = tmp_path / "resumed" / "checkpoints" / "step_00000004"
-    shutil.copytree(tmp_path / "straight" / "checkpoints" / step4.name, step4)
-    resumed = Trainer(_cfg(tiny_data, tmp_path / "resumed", "--checkpoint.resume", "auto", *own_lrs), CPU)
-    assert resumed.step == 4
-    muon = list(resumed.optimizer)[1]
-    assert all(muon.state[p]["momentum_buffer"].abs().sum() > 0
-               for p in muon.param_groups[0]["params"])
-    resumed.fit()
-    after = losses(tmp_path / "resumed")
-    assert {s: after[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
-
-
-def test_a_resume_retunes_any_groups_lr(tiny_data, tmp_path):
-    untied = ["--model.tie_embeddings", "false"]
-    Trainer(_cfg(tiny_data, tmp_path / "straight", *untied, "--optim.embed_lr", "0.1"), CPU).fit()
-    step4 = "checkpoints/step_00000004"
-    shutil.copytree(tmp_path / "straight" / step4, tmp_path / "retuned" / step4)
-    resumed = Trainer(_cfg(tiny_data, tmp_path / "retuned", "--checkpoint.resume", "auto", *untied,
-                           "--optim.embed_lr", "0.2", "--optim.head_lr", "0.01", "--optim.lr", "0.04"), CPU)
-    assert resumed.step == 4
-    adamw = list(resumed.optimizer)[0]
-    for kind in ("embed", "head", "scalar"):
-        group = next(g for g in adamw.param_groups if g["kind"] == kind)
-        assert adamw.state[group["params"][0]]["step"] == 4, kind
-    resumed.fit()
-    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "retuned" / "metrics.jsonl").open())
-           if "lr" in r}
-    assert resumed.cfg.optim.lr == 0.04 and lrs[8] == pytest.approx(lr_at(7, 8, resumed.cfg.optim))
+def test_weight_decay_on_matrices_only():
+    """One AdamW step with zero gradients moves a parameter by its decoupled weight decay only:
+    every matrix shrinks by (1 - lr * weight_decay), the norm gains stay exactly 1."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, d_model=64))
+    cfg = OptimConfig(lr=0.1, weight_decay=0.5)
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    gains = [n for n, p in model.named_parameters() if p.ndim == 1]
+    assert len(gains) == 2 * 2 + 1  # two norms per block, the final norm
+    for name, p in model.named_parameters():
+        expected = before[name] * (1 - cfg.lr * cfg.weight_decay) if p.ndim >= 2 else before[name]
+        assert torch.allclose(p.detach(), expected, rtol=1e-6, atol=0), name

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import tomllib
 
-from bench.runs import ROOT, TINY_ARGS, run
+from tests.harness import ROOT, TINY_ARGS, run
 
 PRODUCT = ("model", "data_prep", "pipeline", "launch")
 

@@ -16,7 +16,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.runs import ROOT, run
 from lmforge.model import GPT, ModelConfig
 from lmforge.pipeline.loss import CHUNK_ELEMS, ChunkedLoss
 from lmforge.pipeline.parallel.materialize import meta_gpt
@@ -26,6 +25,7 @@ from lmforge.pipeline.parallel.plan import (
     planned_loss,
     state_bytes,
 )
+from tests.harness import ROOT, run
 
 SMALL = ModelConfig(vocab_size=1000, n_layer=3, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import run
+from tests.harness import run
 
 pytestmark = pytest.mark.dist
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from bench.runs import losses, max_diff, train
 from lmforge.model.model import RECIPE_OPTIONS
 from tests.conftest import layout_args
+from tests.harness import losses, max_diff, train
 from tests.test_distributed import resume_copy
 
 pytestmark = pytest.mark.dist

@@ -9,16 +9,16 @@ import json
 import pytest
 import torch
 
-from bench.runs import metrics, run_args, train
 from lmforge.launch.cli import main as lmforge
 from lmforge.model.model import cross_entropy
 from lmforge.pipeline.data.loader import TokenWindows
 from lmforge.pipeline.evaluate import eval_batches
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.loss import ChunkedLoss
+from tests.harness import metrics, run_args, train
 
 CAP = 4.0
-EVAL_TOKENS = 512  # bench.runs.TINY_ARGS' eval.tokens
+EVAL_TOKENS = 512  # tests.harness.TINY_ARGS' eval.tokens
 
 
 @pytest.mark.parametrize("loss, compile", [("chunked", "off"), ("full", "on")])

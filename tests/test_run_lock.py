@@ -1,7 +1,8 @@
 """One writer per run directory, and no worker outlives its launcher.
 
 A second `lmforge train` into a run directory in use is refused in one line (by the launcher
-before torchrun starts, or by the trainer), a killed run's lock is released by the kernel, a lock
+before torchrun starts, or by the trainer), a killed run's lock is released by the kernel (the
+file's text is never parsed: a pid no process can have neither crashes nor blocks), a lock
 that is a link, a directory or on a read-only disk is one line with its target untouched, a start
 that loses the race deletes nothing of the winner's, and a SIGKILL of `lmforge train --nproc 2`'s
 process group (torchrun starts its workers in sessions of their own) stops the workers as a
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import children, kill_group, run, run_args, start, wait_for_step
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.checkpoint import lock as lock_module
 from lmforge.pipeline.checkpoint.lock import check_unlocked, run_lock
@@ -29,7 +31,8 @@ from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.config import ConfigError
 from tests.errors import last_error_line, proc_error
 from tests.file_kinds import tmpfs
-from tests.test_run_dir_trust import copied_run, resume, snapshot, train, trained  # noqa: F401
+from tests.harness import children, kill_group, run, run_args, start, wait_for_step
+from tests.test_run_dir import copied_run, resume, snapshot, train, trained  # noqa: F401
 
 LONG = ["--train.max_steps", "100000", "--eval.every", "0"]
 
@@ -209,3 +212,15 @@ def test_killing_the_launchers_group_stops_its_workers(tiny_data, tmp_path):
     stopped_at = int(out.split("checkpoint saved at step ")[1].split(",")[0])
     assert ckpt.read_meta(ckpt.list_complete(run_dir / "checkpoints")[-1]).step == stopped_at
     assert not (RunDir(run_dir).lock).exists()
+
+
+def test_a_lock_file_naming_an_impossible_pid_neither_crashes_nor_blocks(tiny_data, tmp_path):
+    """The lock is the file's flock, which no process holds here: its text is never parsed."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = RunDir(run_dir).lock
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**70, "start_ticks": None,
+                                "since": "then"}))
+    res = run(lmforge_train(*run_args(tiny_data, run_dir, "--train.max_steps", "1")), timeout=120)
+    assert res.returncode == 0 and "Traceback" not in res.stdout, res.stdout[-3000:]
+    assert not lock.exists()  # taken, then released at the end

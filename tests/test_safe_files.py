@@ -260,7 +260,7 @@ def read_dcp_metadata(d: Path):
 def test_each_format_refuses_a_file_one_byte_past_its_readme_limit_unread(read, tmp_path):
     """The README's limits (manifest and meta.json 64 MiB, a document index 8 bytes a token past
     its header, vocabulary and DCP .metadata 256 MiB), held by each format's own reader (the RNG
-    state's 16 MiB needs a model: tests/test_run_dir_trust.py)."""
+    state's 16 MiB needs a model: tests/test_run_dir.py)."""
     with pytest.raises(UnsafeFile, match="its format allows; it is corrupt or crafted"):
         read(tmp_path / "d")
 

@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, metrics, run, run_config
 from lmforge.data_prep.tokenizer import encode_prompt, load_tokenizer_dir
 from lmforge.launch.cli import main as lmforge
 from lmforge.model import SamplingParams
@@ -18,6 +17,7 @@ from lmforge.model.generate import MIN_TEMPERATURE, sample
 from lmforge.pipeline.config import ConfigError, load_config
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
+from tests.harness import TINY_ARGS, metrics, run, run_config
 from tests.test_eval_sample_export import make_checkpoint
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import re
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,23 @@ def test_no_import_circles_between_the_projects_modules():
     sources = {m: p.read_text(encoding="utf-8") for m, p in project_modules().items()}
     cycles = import_cycles(import_graph(sources))
     assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+# Where a product file or the README names its evidence: a bench, a result, a test.
+CITED = re.compile(r"\b(?:bench|tests)/[\w./*-]*[\w*]")
+
+
+def missing_citations(text: str, where: str) -> list[str]:
+    return [f"{where}: {path}" for path in CITED.findall(text) if not any(ROOT.glob(path))]
+
+
+def test_every_file_a_comment_cites_exists():
+    """A bench that leaves bench/ (its figures kept in bench/results) leaves no comment naming it."""
+    files = [ROOT / "README.md", *(p for d in ("model", "data_prep", "pipeline", "launch", "configs")
+                                   for p in sorted((ROOT / d).rglob("*.*")) if p.suffix in (".py", ".toml", ".sh"))]
+    missing = [m for f in files for m in missing_citations(f.read_text(encoding="utf-8"), f.name)]
+    assert not missing, "cited but not in the tree (cite bench/results instead):\n" + "\n".join(missing)
+    assert missing_citations("(bench/gone.py's figure)", "x.py") == ["x.py: bench/gone.py"]
 
 
 def test_the_size_and_circle_checks_can_fail():

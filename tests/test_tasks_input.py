@@ -12,11 +12,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from bench.runs import run_args, train
 from lmforge.launch.evaluate import main as eval_main
 from lmforge.pipeline.tasks import named
 from lmforge.pipeline.tasks.evaluate import load_task
 from tests.errors import cli_error
+from tests.harness import run_args, train
 
 CONTEXT = 16  # short: some of nextline's lines do not fit
 

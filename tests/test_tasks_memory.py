@@ -15,7 +15,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from bench.runs import run_args, train
 from lmforge.data_prep.tokenizer import load_tokenizer_dir
 from lmforge.launch.evaluate import main as eval_main
 from lmforge.launch.prepare import main as prepare
@@ -29,6 +28,7 @@ from lmforge.pipeline.tasks.score import (
     Encoded,
     choice_loglikelihoods,
 )
+from tests.harness import run_args, train
 
 VOCAB = 50257  # GPT-2's ids, padded to 50,304 in the model
 CONTEXT = 32  # the model's context: every choice fits

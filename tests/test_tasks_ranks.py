@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import metrics, run, run_args, train, train_cmd
+from tests.harness import metrics, run, run_args, train, train_cmd
 
 GOOD = {"context": "def f(x):\n", "choices": ["    return x", "    pass"], "gold": 0}
 # Example 1 (rank 1's under 2 ranks): a choice longer than the model's 128-token context.

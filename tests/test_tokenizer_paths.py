@@ -1,4 +1,4 @@
-"""`--tokenizer PATH` where PATH, as the user names it, is a symbolic link (#62 item 19): the
+"""`--tokenizer PATH` where PATH, as the user names it, is a symbolic link: the
 README says a path you name may be a link; what is inside it is still never followed."""
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from bench.runs import TINY_ARGS, losses, metrics, run
 from lmforge.pipeline.checkpoint import format as ckpt
 from lmforge.pipeline.config import OptimConfig, load_config
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer, TrainingStopped
+from tests.harness import TINY_ARGS, losses, metrics, run
 from tests.schedule import lr_at
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -1,7 +1,6 @@
 """`lmforge train` given a mistake: one `error:` line and exit 2, before anything is written,
-on one process and under `--nproc 2` alike. Each case is one a review found ending in a
-traceback, in a schedule that silently was not the configured one, or in a finished run
-overwritten."""
+on one process and under `--nproc 2` alike. Each case once ended in a traceback, in a
+schedule that silently was not the configured one, or in a finished run overwritten."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.runs import run, run_args, train_cmd
 from lmforge.data_prep.errors import DataError
 from lmforge.data_prep.tokenizer import dataset_tokenizer, save_tokenizer_dir, train_bpe
 from lmforge.pipeline.checkpoint import format as ckpt
@@ -22,6 +20,7 @@ from lmforge.pipeline.config import ConfigError, derive, describe, load_config
 from lmforge.pipeline.metrics import trim_metrics
 from lmforge.pipeline.optim.optimizers import lr_multiplier
 from tests.errors import cli_error
+from tests.harness import run, run_args, train_cmd
 
 
 def test_a_config_path_that_is_no_toml_file_is_one_error(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.runs import run
+from tests.harness import run
 
 
 def load_bench():

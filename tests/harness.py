@@ -1,4 +1,5 @@
-"""Start training runs as real processes (python, torchrun, accelerate) under a timeout.
+"""The tests' harness: training runs as real processes (python, torchrun, accelerate) under a
+timeout, the tiny run's flags, and readers of a run's metrics (bench/gpu_check.py uses it too).
 
 About 1 in 50 torchrun launches hangs at exit on the CI machines: a launch that times out is
 killed with its whole process group and started once more.
@@ -15,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # A 2-layer model on 64-token windows: a step takes milliseconds, so a test runs dozens of them.
 TINY_ARGS = [
