@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from lmforge.data_prep.tokenizer import (
     EOT,
     VOCAB_FILE,
     Encoding,
+    hf_pattern,
     load_tokenizer_dir,
     read_tokenizer_meta,
 )
@@ -75,15 +75,6 @@ def check_replaceable(out: Path) -> None:
     if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
         raise ConfigError(f"--hf {out} is not empty and not an lmforge export; "
                           "give a new or empty directory")
-
-
-def hf_pattern(pattern: str) -> str:
-    """tiktoken's split pattern in the dialect of the `tokenizers` regex engine (Oniguruma).
-
-    tiktoken's `\\p{N}{1,3}+` is possessive; Oniguruma reads `{1,3}+` as "one or more runs of
-    1-3 digits", which splits 4+ digit numbers differently. Dropping the `+` changes nothing
-    there: the quantifier ends its alternative, so there is nothing to backtrack into."""
-    return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
 
 
 def save_hf_tokenizer(tokenizer_dir: Path, out: Path, context: int) -> None:

@@ -27,7 +27,7 @@ from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.distributed import DistInfo
 from lmforge.pipeline.train import Trainer
 from tests.conftest import ROOT, built_once
-from tests.errors import cli_error
+from tests.errors import cli_error, last_error
 from tests.harness import env, losses, max_diff, train
 from tests.hf_dirs import LLAMA3_ROPE, hf_encode, make_model, make_tokenizer, run_args
 
@@ -371,3 +371,23 @@ def test_a_fresh_start_from_a_missing_dir_is_refused(hf_root, tmp_path):
                                      str(tmp_path / "gone"), "--resume", "auto"))
     assert res.returncode == 2 and res.stderr.startswith("error:") and "not found" in res.stderr, res.stderr
     assert not run.exists()
+
+
+def test_an_lmforge_export_continues_on_the_data_it_was_trained_on(tiny_data, hf_root, tmp_path):
+    """Pretrain, `export --hf`, continue from the export on shards of the tokenizer it trained
+    with: the export writes tiktoken's possessive `{1,3}+` as `{1,3}` (Oniguruma's dialect), the
+    same split, so the data is the model's. Shards of another tokenizer are still refused."""
+    from tests.harness import run_args as tiny_run_args
+
+    pretrained, out = tmp_path / "pretrained", tmp_path / "hf"
+    train(tiny_run_args(tiny_data, pretrained, "--train.max_steps", "1"))
+    assert lmforge("export", "--ckpt", str(pretrained), "--hf", str(out)).returncode == 0
+    assert "{1,3}+" in json.loads((tiny_data / "tokenizer" / "tokenizer.json").read_text())["pattern"]
+    run = tmp_path / "continued"
+    res = lmforge("train", *run_args(tiny_data, run, "--checkpoint.init_from", str(out),
+                                     "--train.max_steps", "1", "--eval.every", "0"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "init:      " in res.stderr and "optim.lr_ref_width" in res.stderr
+    res = lmforge("train", *run_args(hf_root / "data", tmp_path / "other", "--checkpoint.init_from",
+                                     str(out), "--train.max_steps", "1"))
+    last_error(res, "tokenizer")  # another vocabulary: refused before its ids are read
