@@ -30,7 +30,8 @@ from pathlib import Path
 
 from bench.common import ROOT, header, machine
 from bench.optimum import vertex
-from bench.speedrun import read_records
+from lmforge.pipeline.checkpoint.run_dir import RunDir
+from lmforge.pipeline.metrics import read_records
 
 KEYS = {"matrix": "optim.lr", "embed": "optim.embed_lr", "head": "optim.head_lr",
         "scalar": "optim.scalar_lr"}
@@ -101,7 +102,7 @@ def run_one(a, width: int, seed: int, coord: str, k: int) -> None:
     subprocess.run(run_cmd(a, out, width, seed, coord, k), cwd=ROOT, check=True,
                    env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, timeout=a.timeout)
-    loss = next(r["val_loss"] for r in read_records(out) if r.get("step") == a.steps and "val_loss" in r)
+    loss = next(r["val_loss"] for r in read_records(RunDir(out).metrics) if r.get("step") == a.steps and "val_loss" in r)
     record = {"run": name, "val_loss": loss, "optimizer": a.optimizer, "untied": a.untied,
               "d_model": width, "seed": seed, "coord": coord, "k": k, "lrs": lrs,
               "lr_ref_width": a.rule, "model_lrs": model_lrs(a, width, lrs), "steps": a.steps,
