@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seeds", type=int, default=2, help="seeds 1..N")
     p.add_argument("--tokens", type=int, default=65536, help="val tokens scored per corpus")
+    p.add_argument("--corpora", nargs="+", choices=CORPORA, default=list(CORPORA),
+                   help="the corpora to train on (the table shows both)")
     p.add_argument("--nanochat", type=Path, help="a nanochat checkout (the peer; skipped without)")
     p.add_argument("--fortunes", type=Path, default=Path("/usr/share/games/fortunes"))
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "quality")
@@ -261,10 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     ledger = a.ledger or a.work / "runs.jsonl"
     records = [json.loads(s) for s in ledger.read_text().splitlines()] if ledger.exists() else []
     done = set(map(key, records))
-    for corpus in CORPORA:
+    for corpus in a.corpora:  # every recipe's seed 1 first: a cut-short run still compares
         data = prepare(a.work, corpus, a.fortunes)
-        for recipe in recipes:
-            for seed in range(1, a.seeds + 1):
+        for seed in range(1, a.seeds + 1):
+            for recipe in recipes:
                 if (recipe[0], corpus, a.steps, seed, a.tokens) in done:
                     continue
                 records.append(r := run_one(a, recipe, corpus, seed, data))
