@@ -328,11 +328,10 @@ def check_tokenizer_is(tokenizer_dir: Path | str, hf_dir: Path | str) -> None:
     hf_dir = Path(hf_dir)
     if not (hf_dir / "tokenizer.json").is_file():
         return
-    ours = read_tokenizer_meta(tokenizer_dir)
-    theirs = json.loads(json.dumps(identity(load_tokenizer(f"{HF_PREFIX}{hf_dir}"))))
-    # An export writes our pattern in the `tokenizers` dialect, which splits every text alike.
-    ours = ours | {"pattern": hf_pattern(ours.get("pattern", ""))}
-    theirs["pattern"] = hf_pattern(theirs["pattern"])
+    # Patterns compared in the `tokenizers` dialect: an export writes ours in it, splitting alike.
+    ours, theirs = (json.loads(json.dumps(t | {"pattern": hf_pattern(t.get("pattern", ""))}))
+                    for t in (read_tokenizer_meta(tokenizer_dir),
+                              identity(load_tokenizer(f"{HF_PREFIX}{hf_dir}"))))
     if diff := [k for k, v in theirs.items() if ours.get(k, {} if k == "text_tokens" else None) != v]:
         raise DataError(f"{Path(tokenizer_dir).parent} was prepared with another tokenizer than "
                         f"{hf_dir}'s ({', '.join(diff)} differ), so its ids mean other text to "
