@@ -1,5 +1,8 @@
 """Continued-pretraining lrs, measured (README "Continue pretraining a released model").
 
+    lmforge demo                       # the base: runs/demo/run, its shards runs/demo/data
+    lmforge prepare --source runs/quality/fortunes.jsonl --tokenizer runs/demo/data/tokenizer \
+        --val-fraction 0.04 --out data/fortunes    # bench.quality writes the jsonl (prose)
     python -m bench.cpt_lrs --base runs/demo/run --domain data/fortunes --replay runs/demo/data
 
 A model pretrained with lmforge (--base: a finished run, e.g. `lmforge demo`'s configs/tiny.toml
