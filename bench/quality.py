@@ -10,7 +10,8 @@ scripts/base_train.py computes them), fed the rows lmforge's loader gives a run 
     python -m bench.quality --steps 800 --recipes tiny 'wd=configs/tiny.toml:--optim.weight_decay 0.1'
 
 A recipe: tiny, modern, nanochat, or NAME=CONFIG.toml[:--dotted.key value ...]. Each run's loss goes
-to --ledger (JSON lines); a run already there is not run again, so recipes and seeds add up.
+to --ledger (JSON lines); a run already there is not run again, so recipes and seeds add up, and
+--report prints the table of what the ledger holds without training.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import ROOT, emit, header
+from bench.common import ROOT, emit, header, machine
 from lmforge.data_prep.shards import load_manifest
 from lmforge.model.model import IGNORE_INDEX
 from lmforge.pipeline.data.loader import Source, TrainLoader
@@ -42,7 +43,8 @@ CORPORA = ("pystdlib", "fortunes")
 SEQ, ROWS = 256, 32  # the demo's step: 32 rows of 256 tokens
 # In-loop eval, tasks and samples cut to nothing: the bench scores the final checkpoint itself.
 QUIET = ["--eval.every", "0", "--eval.tokens", "256", "--eval.tasks", "[]", "--sample.every", "0",
-         "--sample.max_new_tokens", "1", "--checkpoint.every", "0", "--log.log_every", "50"]
+         "--sample.max_new_tokens", "1", "--checkpoint.every", "0", "--log.log_every", "50",
+         "--train.dtype", "fp32"]  # as the peer, on every CPU kind: the ledger spans machines
 
 
 def fail(msg: str):
@@ -199,7 +201,8 @@ def run_one(a, recipe: tuple, corpus: str, seed: int, data: Path) -> dict:
                str(a.steps), "--train.seed", str(seed), *QUIET, *overrides], a.timeout, run.name)
     loss = score(model_of(run, a.nanochat if config is None else None), data, a.tokens)
     return {"spec": spec, "corpus": corpus, "steps": a.steps, "seed": seed, "tokens": a.tokens,
-            "loss": loss, "train_s": round(time.time() - t0, 1), "date": time.strftime("%F %R")}
+            "loss": loss, "train_s": round(time.time() - t0, 1), "date": time.strftime("%F %R"),
+            "machine": machine()}
 
 
 def key(r: dict) -> tuple:
@@ -243,12 +246,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ledger", type=Path, help="runs' JSON lines (default WORK/runs.jsonl)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
     p.add_argument("--out", type=Path, help="also write the table here (bench/results/...)")
+    p.add_argument("--report", action="store_true", help="the ledger's table only: train nothing")
     for hidden in ("--peer", "--data", "--seed"):  # the nanochat child's
         p.add_argument(hidden, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.peer:
         return train_nanochat(a.nanochat, Path(a.data), Path(a.peer), a.steps, int(a.seed))
-    if not a.fortunes.is_dir():
+    if not (a.report or a.fortunes.is_dir()):
         fail(f"no fortunes directory {a.fortunes}: install Debian's (apt-get install -y fortunes) "
              "or pass --fortunes DIR")
     if a.nanochat and not (a.nanochat / "nanochat" / "gpt.py").is_file():
@@ -257,15 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     recipes = [(s, *parse_recipe(s)) for s in a.recipes]
     if a.baseline not in [r[1] for r in recipes]:
         fail(f"--baseline {a.baseline} is not among --recipes; add it there")
-    if not a.nanochat and any(r[2] is None for r in recipes):
+    if not (a.report or a.nanochat) and any(r[2] is None for r in recipes):
         print("nanochat's recipe skipped: no --nanochat DIR (a nanochat checkout)")
         recipes = [r for r in recipes if r[2] is not None]
     ledger = a.ledger or a.work / "runs.jsonl"
     records = [json.loads(s) for s in ledger.read_text().splitlines()] if ledger.exists() else []
     done = set(map(key, records))
-    for corpus in a.corpora:  # every recipe's seed 1 first: a cut-short run still compares
+    for corpus in [] if a.report else a.corpora:
         data = prepare(a.work, corpus, a.fortunes)
-        for seed in range(1, a.seeds + 1):
+        for seed in range(1, a.seeds + 1):  # every recipe's seed 1 first: a cut-short run compares
             for recipe in recipes:
                 if (recipe[0], corpus, a.steps, seed, a.tokens) in done:
                     continue

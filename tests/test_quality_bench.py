@@ -3,6 +3,8 @@ one scorer gives the model's own loss over the same val windows."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -36,6 +38,24 @@ def test_the_scorer_gives_the_models_own_loss_on_eval_windows(tiny_data):
         own = sum(model(x, y, reduction="sum").item() for x, y in batches)
         assert sum(int((y != IGNORE_INDEX).sum()) for _, y in batches) == tokens
     assert abs(quality.score(model, tiny_data, tokens) - own / tokens) < 1e-5
+
+
+def test_report_tables_the_ledger_and_trains_nothing(tmp_path):
+    ledger, out = tmp_path / "runs.jsonl", tmp_path / "table.txt"
+    wd = "wd=configs/tiny.toml:--optim.weight_decay 0.1"  # a recipe's key is its whole spec
+    runs = [("tiny", "fortunes", 1, 4.5), ("tiny", "fortunes", 2, 4.7), (wd, "fortunes", 1, 4.4),
+            ("nanochat", "pystdlib", 1, 3.9), ("tiny", "pystdlib", 1, 4.0)]
+    ledger.write_text("".join(json.dumps({"spec": s, "corpus": c, "steps": 200, "seed": n,
+                                          "tokens": 65536, "loss": x}) + "\n" for s, c, n, x in runs))
+    quality.main(["--report", "--ledger", str(ledger), "--out", str(out), "--work",
+                  str(tmp_path / "w"), "--fortunes", str(tmp_path / "none"), "--recipes", "tiny",
+                  wd, "nanochat"])
+    rows = {line.split()[0]: line.split() for line in out.read_text().splitlines()[3:]}
+    assert rows["tiny"][1:9] == ["4.0000", "+-", "0.0000", "(1)", "+0.0000",
+                                 "4.6000", "+-", "0.1414"]
+    assert rows["wd"][1:7] == ["-", "-", "4.4000", "+-", "0.0000", "(1)"]
+    assert rows["wd"][7] == "-0.2000" and rows["nanochat"][5] == "-0.1000"
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.parametrize("args, words", [
