@@ -214,9 +214,10 @@ def table(a, recipes: list, records: list[dict]) -> list[str]:
     by = {key(r): r["loss"] for r in records}
     got = {(r[1], c): [by[k] for s in range(1, a.seeds + 1) if (k := (r[0], c, a.steps, s, a.tokens))
                        in by] for r in recipes for c in CORPORA}
-    lines = [header(), f"# {a.steps} steps of {SEQ * ROWS} tokens (d_model 256, 4 layers, seq {SEQ}),"
-             f" seeds 1..{a.seeds}; val loss (nats) over the first {a.tokens} val tokens of each "
-             f"corpus, one scorer; diff = mean - {a.baseline}'s mean",
+    lines = [header(), f"# {a.steps} steps of {SEQ * ROWS} tokens (d_model 256, 4 layers, seq {SEQ},"
+             f" unless a recipe's overrides say otherwise), seeds 1..{a.seeds}; val loss (nats)"
+             f" over the first {a.tokens} val tokens of each corpus, one scorer; diff = mean -"
+             f" {a.baseline}'s mean",
              f"{'recipe':<12}" + "".join(f"{c + ' mean +- sd (n)':>28}{'diff':>9}" for c in CORPORA)
              + "   per seed"]
     for _, name, *_ in recipes:

@@ -30,11 +30,12 @@ GROUPS = ("matrix", "embed", "head", "scalar")
 
 # optim.lr_ref_width's rule: a group's lr at d_model = its lr at the reference width times
 # (d_model / lr_ref_width) ** exponent, the exponent under which each optimum moved least from
-# d_model 128 to 512 (bench/results/lr_sweep_*zen4.txt). Muon: the matrices 0, as Muon's
-# orthogonalised update, of fixed spectral norm whatever the width, predicts; every AdamW group
-# -0.5, nanochat's rule: the tied table with the gains, and an untied head (flat; muP's -1 moved
-# it 1.3 steps). AdamW: muP's (Tensor Programs V, Table 3), each measured: the matrices -1, the
-# tied table with the gains 0, an untied head -1.
+# d_model 128 to 512 (bench/results/lr_sweep_*zen4.txt; Muon's tied table + gains re-checked on
+# prose, bench/results/quality_zen4_width.txt: no other exponent wins on both corpora at both
+# widths). Muon: the matrices 0, as Muon's orthogonalised update, of fixed spectral norm whatever
+# the width, predicts; every AdamW group -0.5, nanochat's rule: the tied table with the gains, and
+# an untied head (flat; muP's -1 moved it 1.3 steps). AdamW: muP's (Tensor Programs V, Table 3),
+# each measured: the matrices -1, the tied table with the gains 0, an untied head -1.
 WIDTH_EXPONENTS = {
     "muon": {"matrix": 0.0, "embed": -0.5, "head": -0.5, "scalar": -0.5},
     "adamw": {"matrix": -1.0, "embed": 0.0, "head": -1.0, "scalar": 0.0},
