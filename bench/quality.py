@@ -1,22 +1,25 @@
 """Quality per token on text the presets were not tuned on (issue #65). Each recipe trains at the
 demo's shape (d_model 256, 4 layers, seq 256, 8,192 tokens a step) on the tuning corpus
-(builtin:pystdlib) and on a judging corpus of prose (Debian's `fortunes`, a document a fortune),
-each with a 4,096-id BPE of its own; one scorer gives every model's mean next-token cross-entropy
-(nats, from its logits) over the first --tokens of the val split, in `lmforge eval`'s windows. The
-peer: nanochat's own recipe from a checkout (its GPT, MuonAdamW, schedules and lr/wd scaling, as
-scripts/base_train.py computes them), fed the rows lmforge's loader gives a run of that seed.
+(builtin:pystdlib) and on judging corpora of prose from Debian packages (`fortunes`, a document a
+fortune, 0.75M train tokens: the demo's horizon; `kerneldoc`, the Linux kernel's documentation, a
+document a file, ~6.8M: one epoch at 4x it), each with a 4,096-id BPE of its own; one scorer gives
+every model's mean next-token cross-entropy (nats, from its logits) over the first --tokens of the
+val split, in `lmforge eval`'s windows. The peer: nanochat's own recipe from a checkout (its GPT,
+MuonAdamW, schedules and lr/wd scaling, as scripts/base_train.py computes them), fed the rows
+lmforge's loader gives a run of that seed.
 
     nice -n 10 python -m bench.quality --nanochat DIR --out bench/results/quality_avx2.txt
-    python -m bench.quality --steps 800 --recipes tiny 'wd=configs/tiny.toml:--optim.weight_decay 0.1'
+    python -m bench.quality --steps 800 --corpora kerneldoc --recipes tiny nanochat --nanochat DIR
 
 A recipe: tiny, modern, nanochat, or NAME=CONFIG.toml[:--dotted.key value ...]. Each run's loss goes
 to --ledger (JSON lines); a run already there is not run again, so recipes and seeds add up, and
---report prints the table of what the ledger holds without training.
+--report prints the table of what the ledger holds (for --corpora) without training.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -25,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +44,6 @@ from lmforge.pipeline.data.windows import TokenWindows
 from lmforge.pipeline.evaluate import eval_batches
 
 PRESETS = {"tiny": "configs/tiny.toml", "modern": "configs/tiny_modern.toml"}
-CORPORA = ("pystdlib", "fortunes")
 SEQ, ROWS = 256, 32  # the demo's step: 32 rows of 256 tokens
 # In-loop eval, tasks and samples cut to nothing: the bench scores the final checkpoint itself.
 QUIET = ["--eval.every", "0", "--eval.tokens", "256", "--eval.tasks", "[]", "--sample.every", "0",
@@ -68,16 +72,46 @@ def fortunes_docs(directory: Path) -> list[str]:
     return [d for d in docs if d.strip() and d.strip() != "%"]
 
 
-def prepare(work: Path, corpus: str, fortunes: Path) -> Path:
+def kerneldoc_docs(directory: Path) -> list[str]:
+    """Each reStructuredText or plain-text file (gzipped, as Debian ships them, or not) under
+    `directory`, a document a file: not the translations (other languages) or devicetree/ (YAML
+    bindings), not scripts or images."""
+    docs = []
+    for f in sorted(directory.rglob("*")):
+        name, parts = f.name.removesuffix(".gz"), f.relative_to(directory).parts
+        if f.is_file() and name.endswith((".rst", ".txt")) and not {"translations",
+                                                                    "devicetree"} & set(parts):
+            raw = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
+            docs.append(raw.decode(errors="replace").replace("\r\n", "\n"))
+    return [d for d in docs if d.strip()]
+
+
+@dataclass(frozen=True)
+class Judge:
+    """A judging corpus: text an installed Debian package holds."""
+    docs: Callable[[Path], list[str]]
+    directory: Path
+    package: str
+    val_fraction: float  # of documents: enough for --tokens of val
+
+
+JUDGES = {"fortunes": Judge(fortunes_docs, Path("/usr/share/games/fortunes"), "fortunes", 0.1),
+          "kerneldoc": Judge(kerneldoc_docs, Path("/usr/share/doc/linux-doc-6.1/Documentation"),
+                             "linux-doc-6.1", 0.02)}
+CORPORA = ("pystdlib", *JUDGES)
+
+
+def prepare(work: Path, corpus: str, directory: Path | None) -> Path:
     """The corpus prepared with a 4,096-id BPE of its own (once; reused after)."""
     out, source, extra = work / "data" / corpus, "builtin:pystdlib", []
     if (out / "manifest.json").is_file():
         return out
-    if corpus == "fortunes":
-        source, extra = str(work / "fortunes.jsonl"), ["--val-fraction", "0.1"]  # 1 %: < 65k
+    if corpus in JUDGES:
+        source = str(work / f"{corpus}.jsonl")
+        extra = ["--val-fraction", str(JUDGES[corpus].val_fraction)]
         work.mkdir(parents=True, exist_ok=True)
         Path(source).write_text("".join(json.dumps({"text": d}) + "\n"
-                                        for d in fortunes_docs(fortunes)))
+                                        for d in JUDGES[corpus].docs(directory)))
     child([sys.executable, "-m", "lmforge.launch.cli", "prepare", "--source", source, "--tokenizer",
            "bpe:4096", "--out", str(out), "--quiet", *extra], 3600, f"preparing {out}")
     return out
@@ -213,16 +247,17 @@ def table(a, recipes: list, records: list[dict]) -> list[str]:
     """recipe x corpus: mean +- sd over seeds, the difference to the baseline's mean, each seed."""
     by = {key(r): r["loss"] for r in records}
     got = {(r[1], c): [by[k] for s in range(1, a.seeds + 1) if (k := (r[0], c, a.steps, s, a.tokens))
-                       in by] for r in recipes for c in CORPORA}
+                       in by] for r in recipes for c in a.corpora}
     lines = [header(), f"# {a.steps} steps of {SEQ * ROWS} tokens (d_model 256, 4 layers, seq {SEQ},"
              f" unless a recipe's overrides say otherwise), seeds 1..{a.seeds}; val loss (nats)"
              f" over the first {a.tokens} val tokens of each corpus, one scorer; diff = mean -"
              f" {a.baseline}'s mean",
-             f"{'recipe':<12}" + "".join(f"{c + ' mean +- sd (n)':>28}{'diff':>9}" for c in CORPORA)
+             f"{'recipe':<12}"
+             + "".join(f"{c + ' mean +- sd (n)':>28}{'diff':>9}" for c in a.corpora)
              + "   per seed"]
     for _, name, *_ in recipes:
         row, seeds = f"{name:<12}", []
-        for c in CORPORA:
+        for c in a.corpora:
             xs, base = got[name, c], got[a.baseline, c]
             sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
             row += f"{f'{statistics.mean(xs):.4f} +- {sd:.4f} ({len(xs)})' if xs else '-':>28}"
@@ -239,10 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seeds", type=int, default=2, help="seeds 1..N")
     p.add_argument("--tokens", type=int, default=65536, help="val tokens scored per corpus")
-    p.add_argument("--corpora", nargs="+", choices=CORPORA, default=list(CORPORA),
-                   help="the corpora to train on (the table shows both)")
+    p.add_argument("--corpora", nargs="+", choices=CORPORA, default=list(CORPORA[:2]),
+                   help="the corpora to train on, or to report (--report): the table's columns")
     p.add_argument("--nanochat", type=Path, help="a nanochat checkout (the peer; skipped without)")
-    p.add_argument("--fortunes", type=Path, default=Path("/usr/share/games/fortunes"))
+    for name, judge in JUDGES.items():
+        p.add_argument(f"--{name}", type=Path, default=judge.directory,
+                       help=f"the {name} corpus's directory (Debian's {judge.package})")
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "quality")
     p.add_argument("--ledger", type=Path, help="runs' JSON lines (default WORK/runs.jsonl)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
@@ -253,9 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.peer:
         return train_nanochat(a.nanochat, Path(a.data), Path(a.peer), a.steps, int(a.seed))
-    if not (a.report or a.fortunes.is_dir()):
-        fail(f"no fortunes directory {a.fortunes}: install Debian's (apt-get install -y fortunes) "
-             "or pass --fortunes DIR")
+    for name in [] if a.report else set(a.corpora) & set(JUDGES):
+        if not getattr(a, name).is_dir():
+            fail(f"no {name} directory {getattr(a, name)}: install Debian's (apt-get install -y "
+                 f"{JUDGES[name].package}) or pass --{name} DIR")
     if a.nanochat and not (a.nanochat / "nanochat" / "gpt.py").is_file():
         fail(f"--nanochat {a.nanochat} has no nanochat/gpt.py; pass a nanochat checkout")
     a.work, a.nanochat = a.work.resolve(), a.nanochat and a.nanochat.resolve()  # children: cwd ROOT
@@ -269,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     records = [json.loads(s) for s in ledger.read_text().splitlines()] if ledger.exists() else []
     done = set(map(key, records))
     for corpus in [] if a.report else a.corpora:
-        data = prepare(a.work, corpus, a.fortunes)
+        data = prepare(a.work, corpus, getattr(a, corpus, None))
         for seed in range(1, a.seeds + 1):  # every recipe's seed 1 first: a cut-short run compares
             for recipe in recipes:
                 if (recipe[0], corpus, a.steps, seed, a.tokens) in done:

@@ -3,6 +3,7 @@ one scorer gives the model's own loss over the same val windows."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -25,6 +26,18 @@ def test_each_fortune_of_the_text_files_is_a_document(tmp_path):
     (tmp_path / "off").mkdir()
     (tmp_path / "off" / "rude").write_text("Offensive.\n%\n")
     assert quality.fortunes_docs(tmp_path) == ["One.", "Two,\n  two lines.", "Three.", "Four."]
+
+
+def test_each_text_file_of_the_kernel_docs_is_a_document(tmp_path):
+    (tmp_path / "mm").mkdir()
+    (tmp_path / "mm" / "concepts.rst.gz").write_bytes(gzip.compress(b"Concepts\r\n========\r\n"))
+    (tmp_path / "README.txt").write_text("Plain.\n")
+    (tmp_path / "index.rst").write_text("  \n")  # blank: no document
+    for skipped in ("translations/it_IT/index.rst", "devicetree/bindings/clk.txt", "sphinx/x.py.gz",
+                    "svg/logo.svg.gz"):
+        (tmp_path / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / skipped).write_bytes(gzip.compress(b"not prose"))
+    assert quality.kerneldoc_docs(tmp_path) == ["Plain.\n", "Concepts\n========\n"]
 
 
 def test_the_scorer_gives_the_models_own_loss_on_eval_windows(tiny_data):
@@ -55,11 +68,17 @@ def test_report_tables_the_ledger_and_trains_nothing(tmp_path):
                                  "4.6000", "+-", "0.1414"]
     assert rows["wd"][1:7] == ["-", "-", "4.4000", "+-", "0.0000", "(1)"]
     assert rows["wd"][7] == "-0.2000" and rows["nanochat"][5] == "-0.1000"
+    quality.main(["--report", "--ledger", str(ledger), "--out", str(out), "--work",
+                  str(tmp_path / "w"), "--corpora", "fortunes", "--recipes", "tiny"])
+    head, tiny = out.read_text().splitlines()[2:4]  # --corpora picks the columns
+    assert head.split()[1] == "fortunes" and "pystdlib" not in head
+    assert tiny.split()[1:6] == ["4.6000", "+-", "0.1414", "(2)", "+0.0000"]
     assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.parametrize("args, words", [
     (["--fortunes", "{tmp}/none"], "apt-get install -y fortunes"),
+    (["--corpora", "kerneldoc", "--kerneldoc", "{tmp}/none"], "apt-get install -y linux-doc-6.1"),
     (["--recipes", "tiny", "wd=configs/tiny"], "NAME=CONFIG.toml"),
     (["--recipes", "modern"], "--baseline tiny is not among --recipes"),
 ])
