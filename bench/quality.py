@@ -2,7 +2,7 @@
 demo's shape (d_model 256, 4 layers, seq 256, 8,192 tokens a step) on the tuning corpus
 (builtin:pystdlib) and on judging corpora of prose from Debian packages (`fortunes`, a document a
 fortune, 0.75M train tokens: the demo's horizon; `kerneldoc`, the Linux kernel's documentation, a
-document a file, ~6.8M: one epoch at 4x it), each with a 4,096-id BPE of its own; one scorer gives
+document a file, 6.66M: one epoch at 4x it), each with a 4,096-id BPE of its own; one scorer gives
 every model's mean next-token cross-entropy (nats, from its logits) over the first --tokens of the
 val split, in `lmforge eval`'s windows. The peer: nanochat's own recipe from a checkout (its GPT,
 MuonAdamW, schedules and lr/wd scaling, as scripts/base_train.py computes them), fed the rows
@@ -92,7 +92,7 @@ class Judge:
     docs: Callable[[Path], list[str]]
     directory: Path
     package: str
-    val_fraction: float  # of documents: enough for --tokens of val
+    val_fraction: float  # of documents: enough for --tokens of val (fortunes' 1 % held < 65k)
 
 
 JUDGES = {"fortunes": Judge(fortunes_docs, Path("/usr/share/games/fortunes"), "fortunes", 0.1),
@@ -106,12 +106,11 @@ def prepare(work: Path, corpus: str, directory: Path | None) -> Path:
     out, source, extra = work / "data" / corpus, "builtin:pystdlib", []
     if (out / "manifest.json").is_file():
         return out
-    if corpus in JUDGES:
-        source = str(work / f"{corpus}.jsonl")
-        extra = ["--val-fraction", str(JUDGES[corpus].val_fraction)]
+    if judge := JUDGES.get(corpus):
+        source, extra = str(work / f"{corpus}.jsonl"), ["--val-fraction", str(judge.val_fraction)]
         work.mkdir(parents=True, exist_ok=True)
         Path(source).write_text("".join(json.dumps({"text": d}) + "\n"
-                                        for d in JUDGES[corpus].docs(directory)))
+                                        for d in judge.docs(directory)))
     child([sys.executable, "-m", "lmforge.launch.cli", "prepare", "--source", source, "--tokenizer",
            "bpe:4096", "--out", str(out), "--quiet", *extra], 3600, f"preparing {out}")
     return out
