@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,12 @@ def parse_recipe(spec: str) -> tuple[str, str | None, list[str]]:
         fail(f"recipe {spec!r} is not tiny, modern, nanochat or NAME=CONFIG.toml[:--key value "
              "...]; e.g. 'wd=configs/tiny.toml:--optim.weight_decay 0.1'")
     return name, config, overrides.split()
+
+
+def exit_on_sigterm() -> None:
+    """A `kill` of the bench raises SystemExit, on which subprocess.run kills the training run it
+    waits on: by default the bench died alone and its run went on sharing the cores."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def child(cmd: list[str], timeout: float, what: str, env: dict | None = None) -> None:
@@ -287,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     for hidden in ("--peer", "--data", "--seed"):  # the nanochat child's
         p.add_argument(hidden, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    exit_on_sigterm()
     if a.peer:
         return train_nanochat(a.nanochat, Path(a.data), Path(a.peer), a.steps, int(a.seed))
     for name in [] if a.report else set(a.corpora) & set(JUDGES):

@@ -3,8 +3,14 @@ one scorer gives the model's own loss over the same val windows."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -88,3 +94,27 @@ def test_bad_input_is_one_error_line_before_any_work(tmp_path, capsys, args, wor
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: ") and words in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "w").exists()
+
+
+def test_a_killed_bench_takes_its_training_run_with_it(tmp_path):
+    """`kill` of a bench left its training child running (two orphans shared the cores with the
+    next runs): the child is killed with it."""
+    pid_file = tmp_path / "pid"
+    run = (f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()));"
+           " time.sleep(120)")
+    bench = subprocess.Popen([sys.executable, "-c", "import sys; from bench import quality; "
+                              "quality.exit_on_sigterm(); "
+                              "quality.child([sys.executable, '-c', sys.argv[1]], 120, 'run')", run],
+                             cwd=quality.ROOT)
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    try:
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
