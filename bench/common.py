@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2_VOCAB = ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
 """The GPT-2 vocabulary beside the checkout (tests and CI have it; tiktoken's download may not)."""
 RESULTS = ROOT / "bench" / "results"
+
+
+def exit_on_sigterm() -> None:
+    """A `kill` of a bench raises SystemExit, on which subprocess.run kills the run it waits on:
+    by default the bench died alone and its training run went on sharing the cores."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def machine(device: str = "cpu") -> str:

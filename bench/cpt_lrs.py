@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, header, machine
+from bench.common import ROOT, exit_on_sigterm, header, machine
 
 # Each optimizer's from-scratch optimum at d_model 256: configs/tiny.toml's (Muon); AdamW's from
 # its sweep at d_model 128 and 512 (bench/results/lr_sweep_adamw_zen4.txt: matrices 0.0023 at 128
@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="also write the table to this file")
     p.add_argument("--timeout", type=float, default=3600)
     a = p.parse_args()
+    exit_on_sigterm()
     text = report(a, run_all(a))
     print(text)
     if a.out:

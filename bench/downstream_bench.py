@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import header
+from bench.common import exit_on_sigterm, header
 from lmforge.data_prep.tokenizer import load_tokenizer_dir
 from lmforge.pipeline.inference import load_for_inference
 from lmforge.pipeline.parallel.distributed import DistInfo
@@ -151,6 +151,7 @@ def main() -> None:
     p.add_argument("--max-examples", type=int, default=200)
     p.add_argument("--lm-eval-batch", type=int, default=32)
     args = p.parse_args()
+    exit_on_sigterm()
     if args.rss:
         return rss_main(args.rss, args.hf)
     from lmforge.launch.export import main as export

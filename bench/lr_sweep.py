@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, header, machine
+from bench.common import ROOT, exit_on_sigterm, header, machine
 from bench.optimum import vertex
 from lmforge.pipeline.checkpoint.run_dir import RunDir
 from lmforge.pipeline.metrics import read_records
@@ -159,6 +159,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
     p.add_argument("--report-only", action="store_true")
     a = p.parse_args()
+    exit_on_sigterm()
     a.coords = a.coords.split(",")
     a.widths, a.seeds, a.ks = ([int(v) for v in s.split(",")] for s in (a.widths, a.seeds, a.ks))
     a.centre = CENTRE[a.optimizer] | {g: float(v) for g, v in

@@ -19,12 +19,10 @@ to --ledger (JSON lines); a run already there is not run again, so recipes and s
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,8 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import ROOT, emit, header, machine
+from bench.common import ROOT, emit, exit_on_sigterm, header, machine
 from lmforge.data_prep.shards import load_manifest
+from lmforge.data_prep.sources import COMPRESSED, format_suffix
 from lmforge.model.model import IGNORE_INDEX
 from lmforge.pipeline.data.loader import Source, TrainLoader
 from lmforge.pipeline.data.rows import build_rows
@@ -74,16 +73,16 @@ def fortunes_docs(directory: Path) -> list[str]:
 
 
 def kerneldoc_docs(directory: Path) -> list[str]:
-    """Each reStructuredText or plain-text file (gzipped, as Debian ships them, or not) under
+    """Each reStructuredText or plain-text file (compressed, as Debian gzips them, or not) under
     `directory`, a document a file: not the translations (other languages) or devicetree/ (YAML
     bindings), not scripts or images."""
     docs = []
     for f in sorted(directory.rglob("*")):
-        name, parts = f.name.removesuffix(".gz"), f.relative_to(directory).parts
-        if f.is_file() and name.endswith((".rst", ".txt")) and not {"translations",
-                                                                    "devicetree"} & set(parts):
-            raw = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
-            docs.append(raw.decode(errors="replace").replace("\r\n", "\n"))
+        parts = f.relative_to(directory).parts
+        if f.is_file() and format_suffix(f) in (".rst", ".txt") and not {"translations",
+                                                                         "devicetree"} & set(parts):
+            with COMPRESSED.get(f.suffix, open)(f, "rb") as h:
+                docs.append(h.read().decode(errors="replace").replace("\r\n", "\n"))
     return [d for d in docs if d.strip()]
 
 
@@ -127,12 +126,6 @@ def parse_recipe(spec: str) -> tuple[str, str | None, list[str]]:
         fail(f"recipe {spec!r} is not tiny, modern, nanochat or NAME=CONFIG.toml[:--key value "
              "...]; e.g. 'wd=configs/tiny.toml:--optim.weight_decay 0.1'")
     return name, config, overrides.split()
-
-
-def exit_on_sigterm() -> None:
-    """A `kill` of the bench raises SystemExit, on which subprocess.run kills the training run it
-    waits on: by default the bench died alone and its run went on sharing the cores."""
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def child(cmd: list[str], timeout: float, what: str, env: dict | None = None) -> None:

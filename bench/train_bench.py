@@ -44,7 +44,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-from bench.common import ROOT, machine, memory_kind, memory_mb, minor_faults
+from bench.common import ROOT, exit_on_sigterm, machine, memory_kind, memory_mb, minor_faults
 from bench.peers import build_gpt2, build_hf
 
 
@@ -389,6 +389,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
+    exit_on_sigterm()
     if a.worker:
         print(json.dumps(worker(Run(**json.loads(a.worker)))))
         return

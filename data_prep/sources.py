@@ -97,13 +97,13 @@ class Source:
             return text
 
     def _files(self, files: list[Path]) -> Iterator[str]:
-        if not self.lines and not any(_kind(f) in RECORD_EXTS for f in files):
+        if not self.lines and not any(format_suffix(f) in RECORD_EXTS for f in files):
             self.total_docs = len(files)
         for f in files:
             yield from self._file(f)
 
     def _file(self, path: Path) -> Iterator[str]:
-        kind = _kind(path)
+        kind = format_suffix(path)
         if kind in TABLE_EXTS:
             yield from self._table(path)
             return
@@ -209,7 +209,7 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split or "train"
 
 
-def _kind(path: Path) -> str:
+def format_suffix(path: Path) -> str:
     """The format suffix of `path`, ignoring a compression suffix (`a.jsonl.gz` -> `.jsonl`)."""
     suffixes = path.suffixes
     if suffixes and suffixes[-1] in COMPRESSED:
@@ -227,7 +227,7 @@ def _inside(path: Path, directory: Path | None) -> bool:
 
 
 def _supported(path: Path) -> bool:
-    return _kind(path) in TEXT_EXTS or (path.suffix in TABLE_EXTS)
+    return format_suffix(path) in TEXT_EXTS or (path.suffix in TABLE_EXTS)
 
 
 @functools.lru_cache(maxsize=1)
